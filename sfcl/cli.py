@@ -1,0 +1,204 @@
+"""Command line: ``sfcl serve``, ``sfcl generate``, ``sfcl anchors build``.
+
+Flags map 1:1 onto the config records in ``sfcl.config``; every flag has help text. Errors that a
+user can fix (missing model, damaged anchor library, bad corpus) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from sfcl.engine.events import SNAPSHOT_MODES
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model: a .gguf file or a local HF model folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="weights/activations dtype (default bfloat16; ~2x faster than float32 on AVX-512 BF16 CPUs)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the engine (default: torch's)")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache for converted weights and the default anchor library "
+                        "(default $SFCL_CACHE_DIR or ~/.cache/sfcl; put it on local SSD)")
+
+
+def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--anchors", default=None,
+                   help="anchor library directory (default: built once from the bundled sample corpus)")
+    p.add_argument("--snapshot-mode", default="triggered", choices=SNAPSHOT_MODES,
+                   help="default snapshot mode for requests that do not set one")
+    p.add_argument("--anchor-timeout", type=float, default=120.0, help="seconds allowed to load the library")
+    p.add_argument("--anchor-retry", type=int, default=3, help="library load attempts before giving up")
+    p.add_argument("--anchor-optional", action="store_true",
+                   help="start with snapshots disabled if the library cannot be loaded (default: exit)")
+    p.add_argument("--layer", type=int, default=None, help="snapshot layer of the default library (default: 3/4 depth)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window cap in tokens (default: model's)")
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it 529/429")
+
+
+def _configs(a):
+    from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
+
+    mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
+    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=a.max_waiting)
+    sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
+                        anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
+                        cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
+    return mc, ec, sc
+
+
+def cmd_serve(a) -> int:
+    import uvicorn
+
+    from sfcl.server.app import create_app
+    from sfcl.serving import build_engine
+
+    mc, ec, sc = _configs(a)
+    built = build_engine(mc, ec, sc)
+    api_key = a.api_key or os.environ.get("SFCL_API_KEY") or None
+    app = create_app(built.engine, api_key=api_key, default_snapshot_mode=sc.default_mode)
+    print(f"sfcl: serving {built.lm.name} on http://{a.host}:{a.port} "
+          f"(snapshots: {'on, ' + str(built.library.n_anchors) + ' anchors' if built.library else 'off'})",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    finally:
+        built.engine.shutdown()
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, TextDelta
+    from sfcl.engine.request import SamplingParams
+    from sfcl.serving import build_engine
+
+    mc, ec, sc = _configs(a)
+    built = build_engine(mc, ec, sc, progress=True)
+    content = a.prompt
+    if a.document:
+        content = Path(a.document).read_text(encoding="utf-8", errors="replace") + "\n\n" + a.prompt
+    eng = built.engine
+    ids = eng.encode_chat([{"role": "user", "content": content}], a.system)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            snapshot_mode=a.snapshot_mode, seed=a.seed)
+    tty = sys.stdout.isatty()
+    dim, off = ("\033[2;36m", "\033[0m") if tty else ("", "")
+    rc = 0
+
+    async def run() -> None:
+        nonlocal rc
+        async for ev in eng.stream(ids, params):
+            if isinstance(ev, TextDelta):
+                sys.stdout.write(ev.text)
+            elif isinstance(ev, SnapshotEvent) and not a.no_marks:
+                sys.stdout.write(f"{dim}⟦snapshot {ev.trigger} anchor={ev.anchor_id} conf={ev.confidence:.2f}⟧{off}")
+            elif isinstance(ev, Finished):
+                s = ev.snapshot_summary
+                sys.stdout.write("\n")
+                print(f"[{ev.stop_reason}] prompt {ev.prompt_tokens} tok, output {ev.completion_tokens} tok, "
+                      f"TTFT {ev.ttft_ms:.0f} ms, snapshots {s['lookups']} ({s['lookups_per_1k_tokens']}/1k tok) "
+                      f"{s['triggers']}", file=sys.stderr)
+            elif isinstance(ev, ErrorEvent):
+                print(f"\nerror: {ev.message}", file=sys.stderr)
+                rc = 1
+            sys.stdout.flush()
+
+    try:
+        asyncio.run(run())
+    finally:
+        eng.shutdown()
+    return rc
+
+
+def cmd_anchors_build(a) -> int:
+    import torch
+
+    from sfcl.anchors.builder import BuildConfig, build_library
+    from sfcl.anchors.corpus import read_corpus
+    from sfcl.config import default_cache_dir
+    from sfcl.model.loader import load_model
+    from sfcl.serving import DTYPES
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    docs = read_corpus(a.corpus)
+    if a.max_docs:
+        docs = docs[: a.max_docs]
+    lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device,
+                    cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
+    cfg = BuildConfig(n_anchors=a.n_anchors, layer=a.layer, seed=a.seed, window_tokens=a.window_tokens,
+                      max_points=a.max_points)
+    path = build_library(lm, docs, a.out, cfg)
+    from sfcl.anchors.store import load_library
+
+    lib = load_library(path)
+    print(f"[ANCHOR] built {lib.n_anchors} anchors from {len(docs)} documents "
+          f"({lib.manifest['build']['n_points']} positions, layer {lib.layer}) into {path}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sfcl", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the HTTP server (Anthropic Messages + OpenAI Chat Completions)")
+    _add_model_flags(s)
+    _add_snapshot_flags(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--api-key", default=None, help="require this key (x-api-key or Bearer); or set SFCL_API_KEY")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(fn=cmd_serve)
+
+    g = sub.add_parser("generate", help="stream one answer in the terminal, snapshots marked inline")
+    g.add_argument("prompt", help="the question or instruction")
+    g.add_argument("--document", default=None, help="a text file placed before the prompt")
+    g.add_argument("--system", default=None, help="system prompt")
+    g.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--no-marks", action="store_true", help="do not print snapshot markers")
+    _add_model_flags(g)
+    _add_snapshot_flags(g)
+    g.set_defaults(fn=cmd_generate)
+
+    an = sub.add_parser("anchors", help="anchor library tools")
+    asub = an.add_subparsers(dest="anchors_cmd", required=True)
+    b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library")
+    b.add_argument("corpus", nargs="+", help=".txt/.md files, directories, ContractNLI .json or .jsonl")
+    b.add_argument("--out", required=True, help="new library directory (must not exist or be empty)")
+    b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")
+    b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
+    b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
+    b.add_argument("--window-tokens", type=int, default=1024, help="tokens per model pass")
+    b.add_argument("--max-points", type=int, default=None, help="stop after this many token positions")
+    b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
+    _add_model_flags(b)
+    b.set_defaults(fn=cmd_anchors_build)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sfcl.anchors.corpus import CorpusError
+    from sfcl.anchors.store import AnchorLibraryError
+    from sfcl.model.loader import ModelLoadError
+
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ModelLoadError, AnchorLibraryError, CorpusError, FileExistsError, ValueError) as e:
+        print(f"sfcl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Configuration records, one per concern. CLI flags map 1:1 onto these fields (``sfcl.cli``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sfcl.engine.events import SNAPSHOT_MODES
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SFCL_CACHE_DIR", Path.home() / ".cache" / "sfcl"))
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str | None = None  # None: bundled SmolLM2-135M-Instruct; else .gguf path or HF folder
+    dtype: str = "bfloat16"  # bfloat16 | float32
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads for the engine thread (None: torch default)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError("dtype must be bfloat16, float32 or float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 16  # largest decode batch (KV slots)
+    max_model_len: int | None = None  # None: the model's context window
+    max_waiting: int = 256  # bounded waiting queue (full -> 529/429)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_waiting < 1:
+            raise ValueError("max_num_seqs and max_waiting must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+@dataclass(slots=True)
+class SnapshotConfig:
+    anchors: str | None = None  # library dir; None: default library built from the sample corpus
+    default_mode: str = "triggered"  # off | triggered | always (requests may override)
+    anchor_timeout_s: float = 120.0  # give up loading (or building) the library after this long
+    anchor_retry: int = 3  # load attempts before failing
+    anchor_optional: bool = False  # start without snapshots if the library cannot be loaded
+    layer: int | None = None  # snapshot layer for the default library (None: 3/4 depth)
+    n_anchors: int = 32768
+    top_k: int = 3
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if self.default_mode not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot mode must be one of {', '.join(SNAPSHOT_MODES)}")
+        if self.anchor_timeout_s <= 0 or self.anchor_retry < 1:
+            raise ValueError("anchor timeout must be > 0 and retries >= 1")
+        self.cache_dir = Path(self.cache_dir).expanduser()
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in 0..65535")

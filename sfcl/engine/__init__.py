@@ -1,0 +1,1 @@
+"""Engine: requests, scheduler (torch-free), KV cache, model runner, engine thread."""

@@ -1,0 +1,161 @@
+"""The engine thread and its asyncio face.
+
+One thread owns the model (mlx-lm's server pattern): HTTP handlers never touch the engine; they
+put commands on the thread's inbox and read their own per-request asyncio queue, which the thread
+fills through ``loop.call_soon_threadsafe``. ``AsyncEngine`` implements
+``sfcl.engine.protocol.EngineClient`` for the HTTP layer and the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Callable
+
+import torch
+
+from sfcl.engine.engine import LLMEngine
+from sfcl.engine.events import EngineEvent, ErrorEvent, Finished
+from sfcl.engine.protocol import EngineBusyError
+from sfcl.engine.request import SamplingParams
+from sfcl.engine.scheduler import QueueFullError
+
+log = logging.getLogger("sfcl.engine")
+Sink = Callable[[EngineEvent], None]
+
+
+class EngineThread:
+    """Runs ``engine.step()`` in a loop on a dedicated thread."""
+
+    def __init__(self, engine: LLMEngine, num_threads: int | None = None):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._num_threads = num_threads
+        self.thread = threading.Thread(target=self._run, name="sfcl-engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Called from any thread. Raises EngineBusyError when the waiting queue is full."""
+        if self.engine.scheduler.num_waiting + self.inbox.qsize() >= self.engine.scheduler.cfg.max_waiting:
+            raise EngineBusyError(retry_after_s=1)
+        self.inbox.put(("add", request_id, prompt_ids, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def _emit(self, events) -> None:
+        for rid, ev in events:
+            sink = self.sinks.get(rid)
+            if sink is not None:
+                sink(ev)
+            if isinstance(ev, (Finished, ErrorEvent)):
+                self.sinks.pop(rid, None)
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, sink = cmd
+            self.sinks[rid] = sink
+            try:
+                self._emit(self.engine.add_request(rid, ids, params))
+            except QueueFullError:
+                self._emit([(rid, ErrorEvent("the engine queue is full; retry later", "overloaded_error"))])
+            except ValueError as e:
+                self._emit([(rid, ErrorEvent(str(e), "invalid_request_error"))])
+        elif cmd[0] == "abort":
+            self.sinks.pop(cmd[1], None)
+            self.engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        while not self._stop.is_set():
+            try:
+                block = not self.engine.has_work()
+                cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+                self._handle(cmd)
+                while True:  # drain everything that arrived, then step
+                    self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stop.is_set() or not self.engine.has_work():
+                continue
+            try:
+                self._emit(self.engine.step())
+                self.steps += 1
+            except Exception as e:  # keep serving: fail the requests of this step, not the server
+                log.exception("engine step failed")
+                self._fail_running(f"engine error: {type(e).__name__}: {e}")
+
+    def _fail_running(self, message: str) -> None:
+        sched = self.engine.scheduler
+        for seq in [s for s in sched.running if s is not None]:
+            self._emit([(seq.request_id, ErrorEvent(message, "api_error"))])
+            self.engine.abort(seq.request_id)
+
+
+class AsyncEngine:
+    """EngineClient over an EngineThread (see ``sfcl.engine.protocol``)."""
+
+    def __init__(self, engine: LLMEngine, *, model_name: str, max_model_len: int, tokenizer,
+                 extra_health: dict | None = None, num_threads: int | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.snapshots_available = engine.runner.snapshotter is not None
+        self._extra_health = extra_health or {}
+        self.thread = EngineThread(engine, num_threads)
+        self.thread.start()
+
+    def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
+        msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[EngineEvent]:
+        rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: EngineEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the loop is gone (shutdown); nothing to deliver to
+                pass
+
+        self.thread.submit(rid, prompt_ids, params, sink)
+        done = False
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, (Finished, ErrorEvent)):
+                    done = True
+                yield ev
+                if done:
+                    return
+        finally:
+            if not done:
+                self.thread.abort(rid)
+
+    def health(self) -> dict:
+        sched = self.engine.scheduler
+        return {"model": self.model_name, "snapshots_available": self.snapshots_available,
+                "running": sched.num_running, "waiting": sched.num_waiting,
+                "max_model_len": self.max_model_len, **self._extra_health}
+
+    def shutdown(self) -> None:
+        self.thread.stop()

@@ -1,0 +1,169 @@
+"""LLMEngine: one step = schedule, execute, update. Nothing else lives between those three calls.
+
+``step()`` asks the scheduler (torch-free) for a plan, has the model runner execute it (tensors),
+then updates request state from the runner's plain results and turns them into typed events
+(``sfcl.engine.events``): text deltas from the incremental detokenizer, snapshot events, and a
+``Finished`` record per completed request. Single-threaded: ``sfcl.engine.async_engine`` runs it
+on the one thread that owns the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sfcl.engine.detokenizer import IncrementalDetokenizer
+from sfcl.engine.events import EngineEvent, Finished, SnapshotEvent, Started, TextDelta, AnchorHit
+from sfcl.engine.model_runner import ModelRunner, RunnerOutput, SeqResult
+from sfcl.engine.request import SamplingParams
+from sfcl.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+
+
+@dataclass(slots=True)
+class RequestState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    n_snapshots: int = 0
+    trigger_counts: Counter = field(default_factory=Counter)
+    anchor_counts: Counter = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one step did; the metrics logger turns these into series."""
+
+    prefill_tokens: int = 0
+    decode_batch: int = 0
+    generated: int = 0
+    lookups: int = 0
+    lookup_ms: float = 0.0
+    step_ms: float = 0.0
+    finished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+                 library=None):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tok = tokenizer
+        self.eos = set(eos_token_ids)
+        self.library = library
+        self.requests: dict[str, RequestState] = {}
+        self.last_stats = StepStats()
+
+    # -- intake (engine thread only) -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[tuple[str, EngineEvent]]:
+        """Queue a request. Raises QueueFullError / ValueError from the scheduler."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
+        self.scheduler.add(seq)
+        self.requests[request_id] = RequestState(seq=seq, detok=IncrementalDetokenizer(self.tok, params.stop))
+        return [(request_id, Started(request_id=request_id, prompt_tokens=len(prompt_ids)))]
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id):
+            self._drop(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[tuple[str, EngineEvent]]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        out = self.runner.execute(plan) if not plan.is_empty else RunnerOutput()
+        events = self.update(plan, out)
+        self.last_stats = StepStats(prefill_tokens=out.prefill_tokens, decode_batch=out.decode_batch,
+                                    generated=len(out.results), lookups=out.lookups, lookup_ms=out.lookup_ms,
+                                    step_ms=(time.perf_counter() - t0) * 1e3,
+                                    finished=sum(1 for _, e in events if isinstance(e, Finished)))
+        return events
+
+    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[tuple[str, EngineEvent]]:
+        events: list[tuple[str, EngineEvent]] = []
+        now = time.monotonic()
+        for seq in plan.prefill + plan.decode:
+            res = out.results.get(seq.request_id)
+            st = self.requests.get(seq.request_id)
+            if res is None or st is None:
+                continue
+            events.extend(self._advance(st, res, now))
+        return events
+
+    def _advance(self, st: RequestState, res: SeqResult, now: float) -> list[tuple[str, EngineEvent]]:
+        seq, rid = st.seq, st.seq.request_id
+        ev: list[tuple[str, EngineEvent]] = []
+        seq.output_ids.append(res.token_id)
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        idx = len(seq.output_ids) - 1
+        if res.snapshot is not None:
+            ev.append((rid, self._snapshot_event(st, res, idx)))
+        if res.token_id in self.eos:
+            return ev + self._finish(st, "end_turn", None)
+        text, stop_hit = st.detok.add(res.token_id)
+        if text:
+            ev.append((rid, TextDelta(text=text, token_index=idx)))
+        if stop_hit is not None:
+            return ev + self._finish(st, "stop_sequence", stop_hit)
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
+            return ev + self._finish(st, "max_tokens", None)
+        return ev
+
+    def _snapshot_event(self, st: RequestState, res: SeqResult, idx: int) -> SnapshotEvent:
+        hit = res.snapshot
+        lib = self.library
+        top = [AnchorHit(anchor_id=a, score=s, kind=lib.kind_name(a), span=lib.span(a))
+               for a, s in zip(hit.anchor_ids, hit.scores)]
+        st.trigger_counts.update(hit.triggers)
+        st.anchor_counts[hit.anchor_ids[0]] += 1
+        e = SnapshotEvent(snapshot_id=st.n_snapshots, token_index=idx, trigger=hit.triggers[0],
+                          triggers=hit.triggers, anchor_id=hit.anchor_ids[0], confidence=hit.confidence,
+                          token=self.tok.decode([res.token_id]), token_logprob=res.logprob,
+                          entropy=res.entropy, top=top, lookup_ms=hit.lookup_ms)
+        st.n_snapshots += 1
+        return e
+
+    def _finish(self, st: RequestState, reason: str, stop_seq: str | None) -> list[tuple[str, EngineEvent]]:
+        seq, rid = st.seq, st.seq.request_id
+        ev: list[tuple[str, EngineEvent]] = []
+        tail = st.detok.flush()
+        if tail:
+            ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
+        self.scheduler.finish(seq, reason)
+        n_out = len(seq.output_ids)
+        summary = {
+            "mode": seq.params.snapshot_mode,
+            "lookups": st.n_snapshots,
+            "lookups_per_1k_tokens": round(1000.0 * st.n_snapshots / max(1, n_out), 2),
+            "triggers": dict(st.trigger_counts),
+            "top_anchors": [
+                {"anchor_id": a, "count": c, "span": self.library.span(a) if self.library else None}
+                for a, c in st.anchor_counts.most_common(5)
+            ],
+        }
+        ttft = ((seq.first_token_s or time.monotonic()) - seq.arrival_s) * 1e3
+        ev.append((rid, Finished(stop_reason=reason, stop_sequence=stop_seq, prompt_tokens=len(seq.prompt_ids),
+                                 completion_tokens=n_out, snapshot_summary=summary, ttft_ms=ttft)))
+        self._drop(rid)
+        return ev
+
+    def _drop(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self.runner.release(rid)
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[tuple[list[int], SamplingParams]]) -> list[list[EngineEvent]]:
+    """Drive ``engine`` synchronously (no thread) until every prompt finished; events per prompt.
+    For the CLI's batch tools, benchmarks and tests."""
+    events: dict[str, list[EngineEvent]] = {}
+    for i, (ids, params) in enumerate(prompts):
+        rid = f"sync-{i}"
+        events[rid] = [e for _, e in engine.add_request(rid, ids, params)]
+    while engine.has_work():
+        for rid, ev in engine.step():
+            events[rid].append(ev)
+    return [events[f"sync-{i}"] for i in range(len(prompts))]

@@ -1,0 +1,44 @@
+"""Request records shared by the scheduler, the engine and the HTTP layer (no torch here)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sfcl.engine.events import SNAPSHOT_MODES
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature == 0 means greedy (argmax). top_p in (0, 1]. max_tokens >= 1 counts generated
+    tokens. stop: strings that end generation; they never appear in the output.
+    Raises ValueError on out-of-range values.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    snapshot_mode: str = "triggered"  # off | triggered | always
+    steer: bool = False  # reserved: anchor-guided steering (issue 4); observe-only when False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError("max_tokens must be an integer >= 1")
+        if not (0.0 <= float(self.temperature) <= 2.0):
+            raise ValueError("temperature must be in [0, 2]")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if self.snapshot_mode not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot mode must be one of {', '.join(SNAPSHOT_MODES)}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise ValueError("stop sequences must be non-empty strings")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"

@@ -1,0 +1,30 @@
+"""Token sampling for a batch of rows with per-row settings (greedy, temperature, top-p).
+
+Greedy rows take the argmax of the logits; sampled rows draw from softmax(logits / T) restricted
+to the smallest set of tokens whose probability reaches top_p (nucleus sampling, Holtzman et al.
+2020), each with its own ``torch.Generator`` so a request's ``seed`` reproduces its output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits (B, V) float32 -> token ids (B,) int64 on the same device."""
+    out = logits.argmax(-1)  # (B,)
+    for i, t in enumerate(temperatures):
+        if t <= 0.0:
+            continue
+        probs = torch.softmax(logits[i] / t, dim=-1)  # (V,)
+        top_p = top_ps[i]
+        if top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            keep = sp.cumsum(-1) - sp < top_p  # always keeps the most likely token
+            sp = torch.where(keep, sp, torch.zeros_like(sp))
+            j = torch.multinomial(sp, 1, generator=generators[i])
+            out[i] = si[j][0]
+        else:
+            out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return out

@@ -1,0 +1,311 @@
+"""Our Llama-family forward pass (SmolLM2, Llama 2/3, Mistral, Qwen2/Qwen3) with per-layer taps.
+
+Why our own definition rather than transformers' model classes: the engine needs (a) a KV cache
+whose layout *we* own (slot-contiguous today, paged/INT8 next) written in place during the
+forward, (b) a tap at one "snapshot layer" that returns both its residual-stream hidden state and
+its attention row for the new token, without switching every layer to eager attention, and (c)
+batched decode over sequences of different lengths with one mask. transformers' classes would need
+a custom Cache subclass plus hooks plus ``attn_implementation="eager"`` for (b), which costs every
+layer. Weights still come from transformers (HF folder or GGUF), see ``sfcl.model.loader``.
+
+Data lives wherever the weights were moved (CPU here; CUDA works unchanged). Shapes use
+B = sequences in the batch, T = new tokens per sequence, S = attended KV length, H = hidden size,
+nh = query heads, nkv = KV heads, g = nh // nkv, hd = head dim, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaArgs:
+    """Architecture of a Llama-family decoder; built from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on per-head q and k
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def args_from_config(cfg) -> LlamaArgs:
+    """Map a transformers PretrainedConfig to LlamaArgs. Raises ValueError if unsupported."""
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model type {mt!r}; SFCL runs Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    n_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    return LlamaArgs(
+        model_type=mt,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(cfg, "attention_bias", mt == "qwen2")),
+        qk_norm=(mt == "qwen3"),
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, return the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass(slots=True)
+class AttnBatch:
+    """How the tokens of one forward call map onto the KV cache.
+
+    Two layouts, both writing new K/V into slot-contiguous cache rows:
+    - prefill: one sequence, T new tokens at positions [start, start+T), cache slot ``slots[0]``;
+    - decode: B sequences, one token each, cache slots ``slots`` (B,), positions ``positions`` (B,).
+    """
+
+    is_prefill: bool
+    slots: torch.Tensor  # (B,) int64 cache slot per sequence
+    positions: torch.Tensor  # prefill: (T,) int64; decode: (B,) int64 — absolute positions of new tokens
+    kv_len: int  # S: attend to cache positions [0, S) (prefill: start+T; decode: max(positions)+1)
+    mask: torch.Tensor | None = None  # decode: (B, 1, 1, S) bool, True = attend
+    slot_range: tuple[int, int] | None = None  # decode: slots are exactly range(a, b) -> views, no gather
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.a = a
+        q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, q_out + 2 * kv_out, bias=a.attention_bias)
+        self.o_proj = nn.Linear(q_out, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.scale = a.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, batch: AttnBatch, k_cache, v_cache, want_probs: str | None):
+        """x: (B, T, H). k_cache/v_cache: (n_slots, nkv, max_len, hd). Returns (out (B,T,H), probs).
+
+        want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
+        over attended positions: (B, nh, 1, S) for the last new token, or (1, nh, T, S) for all.
+        """
+        a = self.a
+        B, T, _ = x.shape
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        g = nh // nkv
+        qkv = self.qkv_proj(x)  # (B, T, (nh + 2 nkv) hd)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nh, hd)
+        k = k.view(B, T, nkv, hd)
+        v = v.view(B, T, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, nh, T, hd)
+        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        S = batch.kv_len
+        probs = None
+        if batch.is_prefill:
+            slot = int(batch.slots[0])
+            start = S - T
+            k_cache[slot, :, start:S] = k[0]
+            v_cache[slot, :, start:S] = v[0]
+            kk = k_cache[slot : slot + 1, :, :S]  # (1, nkv, S, hd)
+            vv = v_cache[slot : slot + 1, :, :S]
+            if want_probs == "all":
+                # Eager attention for this one layer: the builder calibrates on every position.
+                qg = q.reshape(1, nkv, g * T, hd)  # (1, nkv, g T, hd): heads of a group share K
+                s = torch.matmul(qg, kk.transpose(-1, -2)).view(1, nkv, g, T, S) * self.scale
+                causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start)
+                s = s.float().masked_fill(~causal, float("-inf"))
+                p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
+                o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
+                o = o.view(1, nh, T, hd)
+                probs = p.view(1, nh, T, S)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, kk, vv, is_causal=(start == 0), enable_gqa=True,
+                    attn_mask=None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start),
+                )  # (1, nh, T, hd)
+                if want_probs == "last":
+                    # Only the last query's weights are needed: one (g, S) row per KV head.
+                    ql = q[:, :, -1:].reshape(1, nkv, g, hd)
+                    s = torch.matmul(ql, kk.transpose(-1, -2)).float() * self.scale  # (1, nkv, g, S)
+                    probs = s.softmax(-1).view(1, nh, 1, S)
+        else:
+            pos = batch.positions  # (B,)
+            k_cache[batch.slots, :, pos] = k[:, :, 0]  # (B, nkv, hd)
+            v_cache[batch.slots, :, pos] = v[:, :, 0]
+            if batch.slot_range is not None:
+                lo, hi = batch.slot_range
+                kk, vv = k_cache[lo:hi, :, :S], v_cache[lo:hi, :, :S]  # views (B, nkv, S, hd)
+            else:
+                kk, vv = k_cache[batch.slots, :, :S], v_cache[batch.slots, :, :S]
+            # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x.
+            qg = q.reshape(B, nkv, g, hd)
+            s = torch.matmul(qg, kk.transpose(-1, -2)) * self.scale  # (B, nkv, g, S)
+            s = s.float().masked_fill(~batch.mask.view(B, 1, 1, S), float("-inf"))
+            p = s.softmax(-1)  # (B, nkv, g, S) fp32
+            o = torch.matmul(p.to(vv.dtype), vv).view(B, nh, 1, hd)  # (B, nh, 1, hd)
+            if want_probs:
+                probs = p.view(B, nh, 1, S)  # one query per sequence: "last" == "all"
+        o = o.transpose(1, 2).reshape(B, T, nh * hd)
+        return self.o_proj(o), probs
+
+
+class MLP(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+
+@dataclass(slots=True)
+class ForwardOut:
+    """Result of one forward call (tensors stay on the model's device)."""
+
+    logits: torch.Tensor  # (B, V) float32 for the last new token of each sequence (all T if all_logits)
+    tap_hidden: torch.Tensor  # (B, T_out, H) residual stream after the snapshot layer (T_out = T or 1)
+    tap_probs: torch.Tensor | None  # (B, nh, T_out, S) float32 snapshot-layer attention weights
+
+
+class LlamaModel(nn.Module):
+    """Decoder with a slot-contiguous KV cache and a tap at one layer.
+
+    ``forward(ids, batch, kv, tap_layer)``: ids (B, T) int64. kv: ``sfcl.engine.kv_cache.KVCache``.
+    The tap returns the hidden state *after* block ``tap_layer`` (0-based) and that block's
+    attention weights. Rotary embeddings follow RoFormer (Su et al. 2021), parameters from the
+    checkpoint's config via transformers' ``ROPE_INIT_FUNCTIONS`` (default, llama3, yarn, ...).
+    """
+
+    def __init__(self, a: LlamaArgs, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.a = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (...,) -> cos, sin (..., 1, hd) broadcastable over heads."""
+        freqs = positions.float()[..., None] * self.inv_freq  # (..., hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[..., None, :]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[..., None, :]
+        return cos, sin
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, tap_layer: int,
+                all_positions: bool = False, want_probs: bool = True) -> ForwardOut:
+        B, T = ids.shape
+        h = self.embed_tokens(ids)  # (B, T, H)
+        if batch.is_prefill:
+            cos, sin = self.rope(batch.positions, h.dtype)  # (T, 1, hd)
+            cos, sin = cos[None], sin[None]  # (1, T, 1, hd)
+        else:
+            cos, sin = self.rope(batch.positions, h.dtype)  # (B, 1, hd)
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, hd)
+        tap_hidden = tap_probs = None
+        for i, layer in enumerate(self.layers):
+            is_tap = i == tap_layer
+            attn_out, probs = layer.self_attn(
+                layer.input_layernorm(h), cos, sin, batch, kv.k[i], kv.v[i],
+                (("all" if all_positions else "last") if want_probs and is_tap else None),
+            )
+            h = h + attn_out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if is_tap:
+                tap_hidden = h if all_positions else h[:, -1:]
+                if probs is not None:
+                    tap_probs = probs if all_positions else probs[:, :, -1:]
+        hn = self.norm(h if all_positions else h[:, -1:])
+        logits = self.lm_head(hn).float()  # (B, T_out, V)
+        if not all_positions:
+            logits = logits[:, -1]
+        return ForwardOut(logits=logits, tap_hidden=tap_hidden, tap_probs=tap_probs)
+
+
+def load_weights(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy a transformers-style state dict (``model.layers.N.self_attn.q_proj.weight`` ...) into
+    ``model``, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
+    a = model.a
+
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return state[name]
+
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        model.norm.weight.copy_(get("model.norm.weight"))
+        lm = state.get("lm_head.weight")
+        if a.tie_word_embeddings or lm is None:
+            model.lm_head.weight = model.embed_tokens.weight  # tied: one tensor, not two copies
+        else:
+            model.lm_head.weight.copy_(lm)
+        for i, blk in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            at = blk.self_attn
+            at.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
+            if a.attention_bias:
+                at.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0))
+            at.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
+            if a.qk_norm:
+                at.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
+                at.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
+            blk.mlp.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0))
+            blk.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
+            blk.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+            blk.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

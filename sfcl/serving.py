@@ -1,0 +1,140 @@
+"""Assembly: model + anchor library + snapshotter + scheduler + runner -> a running AsyncEngine.
+
+Used by ``sfcl serve`` and ``sfcl generate``. Anchor-loading diagnostics go to stderr, prefixed
+``[ANCHOR]``, never to the stdout JSON request log.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError, load_library
+from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
+from sfcl.engine.async_engine import AsyncEngine
+from sfcl.engine.engine import LLMEngine
+from sfcl.engine.kv_cache import KVCache
+from sfcl.engine.model_runner import ModelRunner
+from sfcl.engine.scheduler import Scheduler, SchedulerConfig
+from sfcl.model.loader import LoadedModel, load_model
+from sfcl.snapshot.entity import vocab_class_table
+from sfcl.snapshot.snapshotter import Snapshotter
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def anchor_log(msg: str) -> None:
+    print(f"[ANCHOR] {msg}", file=sys.stderr, flush=True)
+
+
+def default_library_path(lm: LoadedModel, scfg: SnapshotConfig) -> Path:
+    from sfcl.anchors.builder import default_layer, library_cache_name
+    from sfcl.anchors.corpus import corpus_hash, read_corpus, sample_corpus_files
+
+    docs = read_corpus(sample_corpus_files())
+    layer = default_layer(lm.args.n_layers) if scfg.layer is None else scfg.layer
+    return scfg.cache_dir / "anchors" / library_cache_name(lm.fingerprint, corpus_hash(docs), layer, scfg.n_anchors)
+
+
+def ensure_default_library(lm: LoadedModel, scfg: SnapshotConfig, progress: bool = True) -> Path:
+    """Path of the default library (sample corpus), building it once into the cache dir."""
+    from sfcl.anchors.builder import BuildConfig, build_library
+    from sfcl.anchors.corpus import read_corpus, sample_corpus_files
+
+    path = default_library_path(lm, scfg)
+    if (path / "manifest.json").is_file():
+        return path
+    anchor_log(f"building the default anchor library from the bundled sample corpus into {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build_library(lm, read_corpus(sample_corpus_files()), path,
+                      BuildConfig(n_anchors=scfg.n_anchors, layer=scfg.layer), progress=progress)
+    except FileExistsError:  # another process built it meanwhile
+        pass
+    return path
+
+
+def load_anchors(lm: LoadedModel, scfg: SnapshotConfig, progress: bool = True) -> AnchorLibrary | None:
+    """Load the configured library with timeout and retries.
+
+    Returns None (snapshots disabled) only when ``anchor_optional`` is set; otherwise raises
+    AnchorLibraryError with the reason.
+    """
+    last: Exception | None = None
+    for attempt in range(1, scfg.anchor_retry + 1):
+        t0 = time.monotonic()
+        ex = cf.ThreadPoolExecutor(max_workers=1)
+        try:
+            def work() -> AnchorLibrary:
+                path = Path(scfg.anchors) if scfg.anchors else ensure_default_library(lm, scfg, progress)
+                return load_library(path, expect_fingerprint=lm.fingerprint,
+                                    expect_hidden_size=lm.args.hidden_size, expect_model_name=lm.name)
+            lib = ex.submit(work).result(timeout=scfg.anchor_timeout_s)
+            anchor_log(f"Loaded {lib.n_anchors} anchors from {lib.path} (layer {lib.layer}, "
+                       f"{(time.monotonic() - t0) * 1e3:.0f} ms)")
+            return lib
+        except cf.TimeoutError:
+            last = AnchorLibraryError(f"loading the anchor library took longer than {scfg.anchor_timeout_s:.0f} s "
+                                      "(raise --anchor-timeout)")
+        except (AnchorLibraryError, OSError, ValueError) as e:
+            last = e
+        finally:
+            ex.shutdown(wait=False)
+        anchor_log(f"attempt {attempt}/{scfg.anchor_retry} failed: {last}")
+        if isinstance(last, AnchorLibraryError) and "fingerprint" in str(last):
+            break  # a model mismatch does not fix itself
+        if attempt < scfg.anchor_retry:
+            time.sleep(min(2.0, 0.25 * 2 ** attempt))
+    if scfg.anchor_optional:
+        anchor_log("starting WITHOUT snapshots (--anchor-optional): " + str(last))
+        return None
+    raise AnchorLibraryError(str(last))
+
+
+def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConfig,
+                    scfg: SnapshotConfig | None = None, device: str = "cpu") -> LLMEngine:
+    """Scheduler + KV cache + runner (+ snapshotter when a library is given), not yet threaded."""
+    from sfcl.anchors.builder import default_layer
+
+    scfg = scfg or SnapshotConfig()
+    snap = None
+    if lib is not None:
+        if not 0 <= lib.layer < lm.args.n_layers:
+            raise AnchorLibraryError(f"library layer {lib.layer} does not exist in {lm.name}")
+        snap = Snapshotter(lib, vocab_class_table(lm.tokenizer, lm.args.vocab_size, device), top_k=scfg.top_k)
+    layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
+    max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
+    dtype = next(lm.model.parameters()).dtype
+    kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device)
+    runner = ModelRunner(lm.model, kv, layer, snap, device)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
+                                      max_waiting=ecfg.max_waiting))
+    return LLMEngine(sched, runner, lm.tokenizer, lm.eos_token_ids, lib)
+
+
+@dataclass(slots=True)
+class Built:
+    engine: AsyncEngine
+    lm: LoadedModel
+    library: AnchorLibrary | None
+
+
+def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool = True) -> Built:
+    """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError."""
+    if mcfg.threads:
+        torch.set_num_threads(mcfg.threads)
+    lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device=mcfg.device, cache_dir=scfg.cache_dir)
+    lib = load_anchors(lm, scfg, progress)
+    max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
+    snap = None
+    engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device)
+    extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,
+             "default_snapshot_mode": scfg.default_mode}
+    ae = AsyncEngine(engine, model_name=lm.name, max_model_len=max_len, tokenizer=lm.tokenizer,
+                     extra_health=extra, num_threads=mcfg.threads)
+    return Built(engine=ae, lm=lm, library=lib)

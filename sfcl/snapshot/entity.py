@@ -1,0 +1,93 @@
+"""Entity-like tokens, decided on the device from a per-vocabulary class table.
+
+Each vocabulary entry gets a bit set computed once from its decoded text (shape (V,), uint8):
+
+- ``DIGIT``     the token contains a digit ("5", " 2025", "30")
+- ``CURRENCY``  a currency sign or code ("$", "€", "£", " USD", " EUR")
+- ``MONTH``     an English month name (" March", "January")
+- ``REFWORD``   a reference word that introduces a citation (" Section", " Clause", " Article",
+                " §", " Schedule", " Exhibit", " Annex", " paragraph")
+- ``CAP``       starts with an upper-case letter (a name candidate: " Acme", " Delaware")
+- ``SENT_END``  ends a sentence or line (".", "!", "?", ":", newline)
+- ``CONT``      can continue an entity span: "," "." "/" "-" "(" ")" "%" or a single letter
+                ("(b)" in "Clause 7(b)")
+
+A generated token is *inside an entity-like span* when
+``DIGIT | CURRENCY | MONTH | REFWORD | (CAP and the previous token did not end a sentence)
+| (CONT and the previous token was inside a span)``. The previous token's flags are per-sequence
+state kept by the runner (one byte per KV slot), so the whole test is two gathers on the device.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+DIGIT, CURRENCY, MONTH, REFWORD, CAP, SENT_END, CONT = (1 << i for i in range(7))
+IN_ENTITY = 1 << 7  # state bit: "this token was inside an entity-like span"
+
+_MONTHS = {m.lower() for m in (
+    "January February March April May June July August September October November December "
+    "Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec").split()}
+_REFWORDS = {"section", "sections", "clause", "clauses", "article", "articles", "§", "schedule",
+             "exhibit", "annex", "appendix", "paragraph", "para", "sec", "art"}
+_CURRENCY_CODES = {"usd", "eur", "gbp", "jpy", "chf", "cny", "rmb", "inr", "cad", "aud"}
+_CONT = {",", ".", "/", "-", "(", ")", "%", "–"}
+
+
+def token_classes(text: str) -> int:
+    """Class bits of one decoded vocabulary entry (leading/trailing whitespace ignored except
+    newline, which marks a sentence end)."""
+    bits = 0
+    t = text.strip()
+    if "\n" in text:
+        bits |= SENT_END
+    if not t:
+        return bits
+    low = t.lower()
+    if any(c.isdigit() for c in t):
+        bits |= DIGIT
+    if any(c in "$€£¥₹" for c in t) or low in _CURRENCY_CODES:
+        bits |= CURRENCY
+    if low in _MONTHS:
+        bits |= MONTH
+    if low in _REFWORDS:
+        bits |= REFWORD
+    if t[0].isupper():
+        bits |= CAP
+    if t[-1] in ".!?:;":
+        bits |= SENT_END
+    if t in _CONT or re.fullmatch(r"[a-zA-Z]", t):
+        bits |= CONT
+    return bits
+
+
+def vocab_class_table(tokenizer, vocab_size: int, device: str = "cpu") -> torch.Tensor:
+    """(vocab_size,) uint8 table of class bits for every token id (special tokens get 0)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    n = min(vocab_size, len(tokenizer))
+    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    table = torch.zeros(vocab_size, dtype=torch.uint8)
+    for i, t in enumerate(texts):
+        if i not in special:
+            table[i] = token_classes(t)
+    return table.to(device)
+
+
+def entity_flags(classes: torch.Tensor, prev_state: torch.Tensor) -> torch.Tensor:
+    """Entity test for a batch of new tokens.
+
+    classes: (B,) uint8 class bits of the new tokens (``table[token_ids]``).
+    prev_state: (B,) uint8 state of each sequence's previous token (``IN_ENTITY``/``SENT_END`` bits).
+    Returns (B,) uint8 new state: IN_ENTITY set when the token is inside an entity-like span, plus
+    SENT_END copied from the token's classes.
+    """
+    c = classes.to(torch.int32)
+    prev = prev_state.to(torch.int32)
+    strong = (c & (DIGIT | CURRENCY | MONTH | REFWORD)) != 0
+    name = ((c & CAP) != 0) & ((prev & SENT_END) == 0)
+    cont = ((c & CONT) != 0) & ((prev & IN_ENTITY) != 0)
+    inside = strong | name | cont
+    return (inside.to(torch.int32) * IN_ENTITY | (c & SENT_END)).to(torch.uint8)

@@ -1,0 +1,57 @@
+"""Shared fixtures: the real bundled model (loaded once per session) and real-NDA anchor libraries.
+
+Converted weights and built libraries are cached under ``$SFCL_TEST_CACHE`` (default
+``<repo>/.cache/test``) so a second run skips GGUF dequantisation and anchor builds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONTRACTNLI = REPO.parent / "shared" / "data" / "contractnli" / "dev.json"
+CACHE = Path(os.environ.get("SFCL_TEST_CACHE", REPO / ".cache" / "test"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def contractnli_docs(n: int | None = None):
+    from sfcl.anchors.corpus import read_corpus
+
+    if not CONTRACTNLI.is_file():
+        pytest.skip(f"ContractNLI data not found at {CONTRACTNLI} (expected ../shared/data/contractnli/dev.json)")
+    docs = read_corpus([CONTRACTNLI])
+    return docs[:n] if n else docs
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    return CACHE
+
+
+@pytest.fixture(scope="session")
+def lm(cache_dir):
+    from sfcl.model.loader import load_model
+
+    return load_model(None, dtype=torch.bfloat16, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def nda_library(lm, cache_dir):
+    """Anchors built from the first 4 ContractNLI NDAs (k-means down to 2,048 anchors)."""
+    from sfcl.anchors.builder import BuildConfig, build_library, library_cache_name
+    from sfcl.anchors.corpus import corpus_hash
+    from sfcl.anchors.store import load_library
+
+    docs = contractnli_docs(4)
+    cfg = BuildConfig(n_anchors=2048, seed=0, window_tokens=1024)
+    path = cache_dir / "anchors" / ("nda-" + library_cache_name(lm.fingerprint, corpus_hash(docs), 22, 2048))
+    if not (path / "manifest.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_library(lm, docs, path, cfg, progress=False)
+    return load_library(path, expect_fingerprint=lm.fingerprint)

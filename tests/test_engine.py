@@ -1,0 +1,102 @@
+"""Engine on the real bundled model with anchors built from real NDAs (ContractNLI)."""
+
+import pytest
+
+from sfcl.config import EngineConfig
+from sfcl.engine.engine import run_to_completion
+from sfcl.engine.events import Finished, SnapshotEvent, Started, TextDelta
+from sfcl.engine.request import SamplingParams
+from sfcl.serving import make_llm_engine
+
+from conftest import contractnli_docs
+
+pytestmark = pytest.mark.slow
+
+
+def chat_ids(lm, content):
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                            add_generation_prompt=True)
+    return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def summarise(events):
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    snaps = [e for e in events if isinstance(e, SnapshotEvent)]
+    fin = [e for e in events if isinstance(e, Finished)]
+    assert len(fin) == 1 and isinstance(events[0], Started) and events[-1] is fin[0]
+    return text, snaps, fin[0]
+
+
+@pytest.fixture(scope="module")
+def nda_prompt(lm):
+    doc = contractnli_docs(6)[5].text[:6000]
+    return chat_ids(lm, doc + "\n\nHow long does this agreement last, and how can it be terminated? "
+                               "Quote the relevant clause.")
+
+
+def test_greedy_text_identical_across_snapshot_modes(lm, nda_library, nda_prompt):
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4))
+    res = {}
+    for mode in ("off", "triggered", "always"):
+        [ev] = run_to_completion(eng, [(nda_prompt, SamplingParams(max_tokens=96, snapshot_mode=mode))])
+        res[mode] = summarise(ev)
+    texts = {m: r[0] for m, r in res.items()}
+    assert texts["off"] and texts["off"] == texts["triggered"] == texts["always"]
+    n_out = res["always"][2].completion_tokens
+    assert len(res["off"][1]) == 0
+    assert len(res["always"][1]) == n_out  # one lookup per generated token
+    assert 0 < len(res["triggered"][1]) < n_out  # the triggers fire, but on far fewer tokens
+    for s in res["triggered"][1]:
+        assert 0 <= s.anchor_id < nda_library.n_anchors and 0.0 <= s.confidence <= 1.0
+        assert s.trigger in ("entity_low_confidence", "attention_dispersion", "surprisal_deviation")
+        assert [h.anchor_id for h in s.top][0] == s.anchor_id and len(s.top) == 3
+        assert s.top[0].score >= s.top[1].score >= s.top[2].score
+        assert s.top[0].span["doc_id"].startswith("dev:")
+    summary = res["triggered"][2].snapshot_summary
+    assert summary["lookups"] == len(res["triggered"][1]) and sum(summary["triggers"].values()) >= summary["lookups"]
+
+
+def test_concurrent_requests_batch_and_finish_independently(lm, nda_library):
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4))
+    prompts = [chat_ids(lm, q) for q in ("Name three colours.", "What is 2+2?", "Say hello in French.",
+                                          "List two prime numbers.", "What is a contract?")]
+    params = [SamplingParams(max_tokens=n) for n in (12, 20, 8, 30, 16)]
+    batched = run_to_completion(eng, list(zip(prompts, params)))
+    assert eng.runner.kv.n_slots == 4  # 5 requests through 4 slots: one waited, slots were reused
+    for ev, p in zip(batched, params):
+        text, _, fin = summarise(ev)
+        assert fin.completion_tokens <= p.max_tokens and text
+        assert fin.stop_reason in ("end_turn", "max_tokens")
+        if fin.stop_reason == "max_tokens":
+            assert fin.completion_tokens == p.max_tokens
+    # batched decoding matches one-at-a-time decoding for the first tokens (bf16 GEMMs may round
+    # differently at other batch sizes, so compare a prefix)
+    alone = run_to_completion(eng, [(prompts[1], params[1])])
+    a, b = summarise(alone[0])[0], summarise(batched[1])[0]
+    assert a[:8] == b[:8]
+
+
+def test_stop_sequence_and_max_tokens(lm, nda_library):
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
+    ids = chat_ids(lm, "Count from 1 to 20, separated by commas.")
+    [free] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=40, snapshot_mode="off"))])
+    text, _, _ = summarise(free)
+    assert "5" in text
+    [stopped] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=40, stop=["5"], snapshot_mode="off"))])
+    t2, _, fin = summarise(stopped)
+    assert fin.stop_reason == "stop_sequence" and fin.stop_sequence == "5"
+    assert t2 == text[: text.index("5")]
+    [short] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=3))])
+    assert summarise(short)[2].completion_tokens == 3 and summarise(short)[2].stop_reason == "max_tokens"
+
+
+def test_seeded_sampling_is_reproducible(lm, nda_library):
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
+    ids = chat_ids(lm, "Write a sentence about a lease.")
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=123, snapshot_mode="off")
+    a = summarise(run_to_completion(eng, [(ids, p)])[0])[0]
+    b = summarise(run_to_completion(eng, [(ids, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=123,
+                                                              snapshot_mode="off"))])[0])[0]
+    c = summarise(run_to_completion(eng, [(ids, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7,
+                                                              snapshot_mode="off"))])[0])[0]
+    assert a == b and a != c

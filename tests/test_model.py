@@ -1,0 +1,59 @@
+"""Our Llama forward against transformers' reference implementation (fp32), and the taps."""
+
+import pytest
+import torch
+
+from sfcl.engine.kv_cache import KVCache
+from sfcl.model.llama import AttnBatch
+from sfcl.model.loader import ModelLoadError, load_model, resolve_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fp32(cache_dir):
+    return load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+
+
+def test_matches_transformers_logits_hidden_and_attention(fp32):
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(None)
+    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32,
+                                              attn_implementation="eager")
+    ids = fp32.tokenizer("The Receiving Party shall keep the Information confidential for five (5) years.",
+                         return_tensors="pt").input_ids
+    T = ids.shape[1]
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True, output_attentions=True)
+    kv = KVCache(fp32.args, 2, 128, torch.float32)
+    layer = 22
+    out = fp32.model(ids, AttnBatch(True, torch.tensor([1]), torch.arange(T), T), kv, layer, all_positions=True)
+    assert torch.allclose(out.logits[0], ref.logits[0], atol=2e-3)
+    assert torch.allclose(out.tap_hidden[0], ref.hidden_states[layer + 1][0], atol=2e-3)
+    assert torch.allclose(out.tap_probs[0], ref.attentions[layer][0], atol=1e-4)
+    # decode one more token through the cache == full forward over T+1 tokens
+    nxt = ref.logits[0, -1].argmax().view(1, 1)
+    with torch.no_grad():
+        ref2 = hf(torch.cat([ids, nxt], 1), output_attentions=True)
+    mask = torch.ones(1, 1, 1, T + 1, dtype=torch.bool)
+    o2 = fp32.model(nxt, AttnBatch(False, torch.tensor([1]), torch.tensor([T]), T + 1, mask, (1, 2)), kv, layer)
+    assert torch.allclose(o2.logits[0], ref2.logits[0, -1], atol=2e-3)
+    assert torch.allclose(o2.tap_probs[0, :, 0], ref2.attentions[layer][0, :, -1], atol=1e-4)
+
+
+def test_model_errors_are_clear(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve_model(str(tmp_path / "w.bin"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "bad.gguf"))
+
+
+def test_fingerprint_is_dtype_independent(lm, fp32):
+    assert lm.fingerprint == fp32.fingerprint and len(lm.fingerprint) == 64

@@ -1,0 +1,268 @@
+"""Error answers of both APIs: validation, model, context, busy, auth, unknown routes, 500s."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from sfcl.server import create_app
+from sfcl.server.testing import FakeEngine, parse_sse, serve_in_thread
+
+MODEL = "fake-model"
+USER = [{"role": "user", "content": "hello there"}]
+A, O = "/v1/messages", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def url():
+    """One shared server with a default FakeEngine (max_model_len 32) for the validation cases."""
+    with serve_in_thread(create_app(FakeEngine(max_model_len=32), ping_interval_s=0.1)) as u:
+        yield u
+
+
+@pytest.fixture
+def serve():
+    stack = contextlib.ExitStack()
+
+    def _serve(engine: FakeEngine | None = None, **kwargs):
+        engine = engine or FakeEngine()
+        return stack.enter_context(serve_in_thread(create_app(engine, **kwargs))), engine
+
+    with stack:
+        yield _serve
+
+
+def post(base: str, path: str, body=None, *, content: bytes | None = None, headers=None):
+    if content is None:
+        content = json.dumps(body).encode()
+    return httpx.post(base + path, content=content, timeout=10,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def anthropic_error(r: httpx.Response, status: int, error_type: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body) == {"type", "error"}
+    assert body["error"]["type"] == error_type
+    return body["error"]["message"]
+
+
+def openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def a_body(**kw):
+    return {"model": MODEL, "max_tokens": 5, "messages": USER, **kw}
+
+
+def o_body(**kw):
+    return {"model": MODEL, "messages": USER, **kw}
+
+
+# -- validation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b'{"model": ', b"", b"[1, 2", b'{"max_tokens": NaN}'])
+def test_bad_json(url, content):
+    msg = anthropic_error(post(url, A, content=content), 400, "invalid_request_error")
+    assert msg.startswith("body:")
+    err = openai_error(post(url, O, content=content), 400, "body")
+    assert err["type"] == "invalid_request_error" and err["code"] is None
+
+
+def test_invalid_utf8_body(url):
+    raw = b'{"model": "fake-model", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    assert "UTF-8" in anthropic_error(post(url, A, content=raw), 400, "invalid_request_error")
+    assert "UTF-8" in openai_error(post(url, O, content=raw), 400, "body")["message"]
+
+
+def test_body_not_an_object(url):
+    msg = anthropic_error(post(url, A, [1, 2]), 400, "invalid_request_error")
+    assert msg.startswith("body: Input should be a valid dictionary")
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"model": MODEL, "messages": USER}, "max_tokens: Field required"),
+    (a_body(messages=[{"role": "bot", "content": "x"}]),
+     "messages.0.role: Input should be 'user' or 'assistant'"),
+    (a_body(messages=[]), "messages: at least one message is required"),
+    (a_body(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+    (a_body(temperature="hot"), "temperature: Input should be a valid number"),
+    (a_body(temperature=1.5), "temperature: Input should be less than or equal to 1"),
+    (a_body(top_p=0), "top_p: Input should be greater than 0"),
+    (a_body(tools=[]), "tools: Extra inputs are not permitted"),
+    (a_body(stop_sequences=[""]), "stop"),
+    (a_body(snapshot_mode="sometimes"), "snapshot_mode: Input should be 'off', 'triggered'"),
+    (a_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages.0.content.0.type: Input should be 'text'"),
+    (a_body(messages=[{"role": "user", "content": 5}]),
+     "messages.0.content: Input should be a valid string"),
+    (a_body(messages=[{"role": "user", "content": ""}]), "messages.0.content: all messages must"),
+    (a_body(messages=[{"role": "user", "content": []}]), "messages.0.content: all messages must"),
+    (a_body(messages=[{"role": "assistant", "content": "hi"}, *USER]),
+     "messages.0.role: the first message must use the 'user' role"),
+    (a_body(messages=[*USER, {"role": "assistant", "content": "Once"}]),
+     "messages.1: a final assistant message (prefill) is not supported"),
+    (a_body(system=7), "system: Input should be a valid string"),
+])
+def test_anthropic_validation(url, body, expected):
+    msg = anthropic_error(post(url, A, body), 400, "invalid_request_error")
+    assert msg.startswith(expected), msg
+
+
+@pytest.mark.parametrize("body, param, expected", [
+    ({"messages": USER}, "model", "model: Field required"),
+    (o_body(messages=[{"role": "bot", "content": "x"}]), "messages.0.role",
+     "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'"),
+    (o_body(messages=[]), "messages", "messages: at least one message is required"),
+    (o_body(max_tokens=0), "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    (o_body(temperature="hot"), "temperature", "temperature: Input should be a valid number"),
+    (o_body(temperature=2.5), "temperature", "temperature: Input should be less than or equal"),
+    (o_body(n=2), "n", "n: only n=1 is supported"),
+    (o_body(stop=["ok", ""]), "stop", "stop: stop sequences must be non-empty"),
+    (o_body(tools=[]), "tools", "tools: Extra inputs are not permitted"),
+    (o_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
+])
+def test_openai_validation(url, body, param, expected):
+    err = openai_error(post(url, O, body), 400, param)
+    assert err["message"].startswith(expected), err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_invalid_snapshot_header(url):
+    h = {"x-sfcl-snapshot": "sometimes"}
+    msg = anthropic_error(post(url, A, a_body(), headers=h), 400, "invalid_request_error")
+    assert msg.startswith("x-sfcl-snapshot: invalid value 'sometimes'")
+    err = openai_error(post(url, O, o_body(), headers=h), 400, "x-sfcl-snapshot")
+    assert "off, triggered, always" in err["message"]
+
+
+def test_unknown_model(url):
+    msg = anthropic_error(post(url, A, a_body(model="claude-9")), 404, "not_found_error")
+    assert "claude-9" in msg and msg.startswith("model:")
+    err = openai_error(post(url, O, o_body(model="gpt-9")), 404, "model")
+    assert err["code"] == "model_not_found" and "gpt-9" in err["message"]
+    assert post(url, A, a_body(model="default")).status_code == 200
+
+
+def test_prompt_too_long(url):
+    long = [{"role": "user", "content": "word " * 40}]  # 42 tokens > 32
+    msg = anthropic_error(post(url, A, a_body(messages=long)), 400, "invalid_request_error")
+    assert msg.startswith("messages: prompt is too long: 42 tokens")
+    # 4 prompt tokens + 30 > 32
+    msg = anthropic_error(post(url, A, a_body(max_tokens=30)), 400, "invalid_request_error")
+    assert msg.startswith("max_tokens: input length and `max_tokens` exceed context limit: 4 + 30")
+    msg = anthropic_error(post(url, A, a_body(max_tokens=100)), 400, "invalid_request_error")
+    assert msg.startswith("max_tokens: 100 > 32")
+    err = openai_error(post(url, O, o_body(messages=long)), 400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    err = openai_error(post(url, O, o_body(max_tokens=30)), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+
+
+# -- busy, engine errors, 500s --------------------------------------------------------------
+
+def test_busy(serve):
+    url, _ = serve(FakeEngine(busy=True, retry_after_s=2))
+    r = post(url, A, a_body())
+    assert anthropic_error(r, 529, "overloaded_error") == "Overloaded"
+    assert r.headers["retry-after"] == "2"
+    r = post(url, A, a_body(stream=True))
+    anthropic_error(r, 529, "overloaded_error")
+    r = post(url, O, o_body(stream=True))
+    openai_error(r, 429)
+    assert r.headers["retry-after"] == "2"
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as c, \
+            pytest.raises(anthropic.APIStatusError) as exc:
+        c.messages.create(model=MODEL, max_tokens=5, messages=USER)
+    assert exc.value.status_code == 529
+    with openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as c, \
+            pytest.raises(openai.RateLimitError):
+        c.chat.completions.create(model=MODEL, messages=USER)
+
+
+class ExplodingEngine(FakeEngine):
+    def encode_chat(self, messages, system=None):
+        if "boom" in messages[-1]["content"]:
+            raise RuntimeError("secret internal detail")
+        if "bad" in messages[-1]["content"]:
+            raise ValueError("Conversation roles must alternate")
+        return super().encode_chat(messages, system)
+
+
+class BrokenStreamEngine(FakeEngine):
+    async def _run(self, prompt_ids, params, request_id):
+        async for ev in super()._run(prompt_ids, params, request_id):
+            yield ev
+            if type(ev).__name__ == "TextDelta" and ev.token_index == 2:
+                raise RuntimeError("secret internal detail")
+
+
+def test_unexpected_exceptions_are_500_without_traceback(serve):
+    url, _ = serve(ExplodingEngine())
+    boom = [{"role": "user", "content": "boom"}]
+    r = post(url, A, a_body(messages=boom))
+    assert anthropic_error(r, 500, "api_error") == "Internal server error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    err = openai_error(post(url, O, o_body(messages=boom)), 500)
+    assert err["type"] == "server_error" and "secret" not in err["message"]
+    bad = [{"role": "user", "content": "bad"}]
+    msg = anthropic_error(post(url, A, a_body(messages=bad)), 400, "invalid_request_error")
+    assert msg == "messages: Conversation roles must alternate"
+
+
+def test_exception_mid_stream_becomes_error_event(serve):
+    url, _ = serve(BrokenStreamEngine())
+    r = post(url, A, a_body(max_tokens=20, stream=True))
+    frames = parse_sse(r.text)
+    assert frames[-1]["event"] == "error"
+    assert json.loads(frames[-1]["data"])["error"] == {"type": "api_error",
+                                                       "message": "Internal server error"}
+    r = post(url, O, o_body(stream=True))
+    last = json.loads(parse_sse(r.text)[-1]["data"])
+    assert last["error"]["type"] == "server_error" and "secret" not in r.text
+
+
+def test_unknown_route_and_method(url):
+    r = httpx.get(url + "/v2/nothing")
+    assert openai_error(r, 404)["message"] == "Not found: GET /v2/nothing"
+    r = httpx.get(url + "/v2/nothing", headers={"anthropic-version": "2023-06-01"})
+    anthropic_error(r, 404, "not_found_error")
+    anthropic_error(httpx.get(url + A), 405, "invalid_request_error")
+    openai_error(httpx.get(url + O), 405)
+
+
+# -- API key --------------------------------------------------------------------------------
+
+def test_api_key(serve):
+    url, _ = serve(api_key="sekrit")
+    for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}):
+        anthropic_error(post(url, A, a_body(), headers=headers), 401, "authentication_error")
+        err = openai_error(post(url, O, o_body(), headers=headers), 401)
+        assert err["code"] == "invalid_api_key"
+    # auth is checked before the body is parsed
+    anthropic_error(post(url, A, content=b"{"), 401, "authentication_error")
+    for headers in ({"x-api-key": "sekrit"}, {"authorization": "Bearer sekrit"}):
+        assert post(url, A, a_body(), headers=headers).status_code == 200
+        assert post(url, O, o_body(), headers=headers).status_code == 200
+    with anthropic.Anthropic(base_url=url, api_key="sekrit", max_retries=0) as c:
+        assert c.messages.create(model=MODEL, max_tokens=3, messages=USER).content
+    with anthropic.Anthropic(base_url=url, api_key="nope", max_retries=0) as c, \
+            pytest.raises(anthropic.AuthenticationError):
+        c.messages.create(model=MODEL, max_tokens=3, messages=USER)
+    with openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0) as c:
+        assert c.chat.completions.create(model=MODEL, messages=USER, max_tokens=3).choices
+    with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as c, \
+            pytest.raises(openai.AuthenticationError):
+        c.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+    assert httpx.get(url + "/health").status_code == 200
