@@ -82,7 +82,13 @@ def cmd_generate(a) -> int:
     built = build_engine(mc, ec, sc, progress=True)
     content = a.prompt
     if a.document:
-        content = Path(a.document).read_text(encoding="utf-8", errors="replace") + "\n\n" + a.prompt
+        from sfcl.anchors.corpus import CorpusError, read_corpus
+
+        docs = read_corpus([a.document])
+        pick = [d for d in docs if a.doc_id is None or d.doc_id == a.doc_id]
+        if not pick:
+            raise CorpusError(f"no document with id {a.doc_id!r} in {a.document} (ids: {', '.join(d.doc_id for d in docs[:8])}...)")
+        content = pick[0].text + "\n\n" + a.prompt
     eng = built.engine
     ids = eng.encode_chat([{"role": "user", "content": content}], a.system)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -158,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream one answer in the terminal, snapshots marked inline")
     g.add_argument("prompt", help="the question or instruction")
-    g.add_argument("--document", default=None, help="a text file placed before the prompt")
+    g.add_argument("--document", default=None,
+                   help="a .txt/.md file (or ContractNLI .json / .jsonl, see --doc-id) placed before the prompt")
+    g.add_argument("--doc-id", default=None, help="which document of a multi-document file (default: the first)")
     g.add_argument("--system", default=None, help="system prompt")
     g.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -1,0 +1,152 @@
+"""End to end: `sfcl serve` as a subprocess on the real bundled model with anchors built from real
+NDAs, queried with the official anthropic and openai SDKs and with raw SSE."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import REPO, contractnli_docs
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(nda_library, cache_dir):
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
+         "--cache-dir", str(cache_dir), "--max-num-seqs", "4", "--threads", "2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited early:\n" + proc.stderr.read())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    yield url, proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def nda_question():
+    doc = contractnli_docs(6)[5].text[:5000]
+    return doc + "\n\nHow long does this agreement remain in force, and how can it be terminated?"
+
+
+def test_health_models_and_anchor_diagnostics(server, nda_library):
+    url, _ = server
+    h = httpx.get(url + "/health").json()
+    assert h["status"] == "ok" and h["snapshots_available"] is True
+    assert h["anchors"]["n_anchors"] == nda_library.n_anchors
+    models = httpx.get(url + "/v1/models").json()
+    assert models["data"][0]["id"] == "smollm2-135m-instruct"
+
+
+def test_anthropic_sdk_stream_and_raw_sse_snapshot_events(server, nda_question, nda_library):
+    anthropic = pytest.importorskip("anthropic")
+    url, _ = server
+    client = anthropic.Anthropic(base_url=url, api_key="unused")
+    with client.messages.stream(model="smollm2-135m-instruct", max_tokens=64, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": nda_question}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text.strip() and final.usage.input_tokens > 1000 and final.usage.output_tokens > 0
+    # raw SSE: official order plus snapshot_triggered events with ids and valid anchors
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 64, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": nda_question}]}
+    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
+        raw = "".join(r.iter_text())
+    frames = [f for f in raw.replace("\r\n", "\n").split("\n\n") if f.strip()]
+    names = [next(line[7:] for line in f.split("\n") if line.startswith("event: ")) for f in frames]
+    core = [n for n in names if n not in ("ping", "snapshot_triggered")]
+    assert core[:2] == ["message_start", "content_block_start"] and core[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(core[2:-3]) == {"content_block_delta"}
+    snaps = [f for f, n in zip(frames, names) if n == "snapshot_triggered"]
+    assert snaps, "expected at least one snapshot_triggered event"
+    for f in snaps:
+        lines = f.split("\n")
+        assert any(line.startswith("id: ") for line in lines)
+        data = json.loads(next(line[6:] for line in lines if line.startswith("data: ")))
+        assert data["type"] == data["status"] == "snapshot_triggered"
+        assert 0 <= data["anchor_id"] < nda_library.n_anchors and 0 <= data["confidence"] <= 1
+        assert data["top"][0]["anchor_id"] == data["anchor_id"] and data["top"][0]["span"]["text"]
+    start = json.loads(frames[0].split("data: ", 1)[1])
+    assert start["message"]["usage"]["input_tokens"] == final.usage.input_tokens
+    # same greedy text as through the SDK
+    deltas = [json.loads(f.split("data: ", 1)[1]) for f, n in zip(frames, names) if n == "content_block_delta"]
+    assert "".join(d["delta"]["text"] for d in deltas) == text
+
+
+def test_openai_sdk_stream_with_usage(server, nda_question):
+    openai = pytest.importorskip("openai")
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=48, temperature=0, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": nda_question}])
+    text, usage, snaps = "", None, 0
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+        extra = getattr(chunk, "model_extra", None) or {}
+        snaps += "sfcl_snapshot" in extra
+    assert text.strip() and usage.completion_tokens > 0 and usage.prompt_tokens > 1000
+    assert snaps > 0
+
+
+def test_snapshot_modes_same_text_and_summary(server, nda_question):
+    url, _ = server
+    out = {}
+    for mode in ("off", "triggered", "always"):
+        r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": mode}, timeout=120, json={
+            "model": "smollm2-135m-instruct", "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": nda_question}]})
+        assert r.status_code == 200, r.text
+        out[mode] = r.json()
+    texts = {m: o["content"][0]["text"] for m, o in out.items()}
+    assert texts["off"] == texts["triggered"] == texts["always"]
+    n = out["always"]["usage"]["output_tokens"]
+    assert out["always"]["sfcl"]["snapshots"]["lookups"] == n
+    assert out["off"]["sfcl"]["snapshots"]["lookups"] == 0
+    assert 0 < out["triggered"]["sfcl"]["snapshots"]["lookups"] < n
+
+
+def test_bad_requests_get_api_errors_not_500(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/messages", json={"model": "smollm2-135m-instruct", "messages": []})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "smollm2-135m-instruct", "temperature": "hot",
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/messages", json={"model": "smollm2-135m-instruct", "max_tokens": 10,
+                                               "messages": [{"role": "user", "content": "x " * 9000}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
