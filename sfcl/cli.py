@@ -152,8 +152,9 @@ def cmd_anchors_build(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sfcl", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
 
-    s = sub.add_parser("serve", help="run the HTTP server (Anthropic Messages + OpenAI Chat Completions)")
+    s = sub.add_parser("serve", help="run the HTTP server (Anthropic Messages + OpenAI Chat Completions)", **fmt)
     _add_model_flags(s)
     _add_snapshot_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address")
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(fn=cmd_serve)
 
-    g = sub.add_parser("generate", help="stream one answer in the terminal, snapshots marked inline")
+    g = sub.add_parser("generate", help="stream one answer in the terminal, snapshots marked inline", **fmt)
     g.add_argument("prompt", help="the question or instruction")
     g.add_argument("--document", default=None,
                    help="a .txt/.md file (or ContractNLI .json / .jsonl, see --doc-id) placed before the prompt")
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
-    b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library")
+    b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)
     b.add_argument("corpus", nargs="+", help=".txt/.md files, directories, ContractNLI .json or .jsonl")
     b.add_argument("--out", required=True, help="new library directory (must not exist or be empty)")
     b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")

@@ -51,3 +51,9 @@ def test_earliest_stop_wins_and_flush_returns_held_prefix():
     assert hit == "END" and "".join(pieces) == "xx "
     pieces, tail, hit = run("value ST", stop=["STOP"])
     assert hit is None and "".join(pieces) == "value " and tail == "ST"
+
+
+def test_character_cut_by_max_tokens_is_dropped_not_replaced():
+    d = IncrementalDetokenizer(ByteTokenizer())
+    out = [d.add(b)[0] for b in "ok 你".encode("utf-8")[:-1]]  # generation stops inside 你
+    assert "".join(out) + d.flush() == "ok "

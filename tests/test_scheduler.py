@@ -87,3 +87,4 @@ def test_abort_waiting_and_running():
     assert out.decode == [] and {q.request_id for q in out.finished} == {"r0", "r1"}
     assert not s.abort("nope")
     assert not s.has_work()
+

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import time
 
 import anthropic
 import httpx
@@ -168,6 +170,99 @@ def test_prompt_too_long(url):
     assert err["code"] == "context_length_exceeded"
     err = openai_error(post(url, O, o_body(max_tokens=30)), 400, "max_tokens")
     assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("template, field", [
+    ('{"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": "a \\ud800 b"}]}',
+     "messages.0.content"),
+    ('{"model": "fake-model\\udfff", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}',
+     "model"),
+    ('{"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages.0.content.0.text"),
+    ('{"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "%s": ["\\udc00"]}',
+     "%s.0"),
+])
+def test_lone_surrogates_are_400_naming_the_field(url, template, field):
+    """json.loads accepts "\ud800" escapes; they used to reach the tokenizer / the error encoder
+    and come back as a 500."""
+    for path, stop in ((A, "stop_sequences"), (O, "stop")):
+        raw = (template % stop if "%s" in template else template).encode()
+        want = field % stop if "%s" in field else field
+        r = post(url, path, content=raw)
+        if path == A:
+            msg = anthropic_error(r, 400, "invalid_request_error")
+        else:
+            msg = openai_error(r, 400, want)["message"]
+        assert msg.startswith(f"{want}: string contains a lone UTF-16 surrogate"), msg
+    # a valid pair is fine
+    ok = '{"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert post(url, A, content=ok.encode()).status_code == 200
+
+
+def test_lone_surrogate_in_a_key_and_in_an_echoed_message(url):
+    raw = b'{"model": "fake-model", "max_tokens": 5, "messages": [], "\\ud800x": 1}'
+    err = openai_error(post(url, O, content=raw), 400, "\\ud800x")
+    assert "surrogate" in err["message"]
+    from sfcl.server.errors import ApiError, error_body  # never a UnicodeEncodeError on output
+    body = error_body(ApiError(404, "model: x\ud800", param="m\udc00"), "openai")
+    assert body["error"]["message"] == "model: x\\ud800" and body["error"]["param"] == "m\\udc00"
+    json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def test_deeply_nested_json(url):
+    raw = b"[" * 100_000 + b"]" * 100_000
+    assert "nested too deeply" in anthropic_error(post(url, A, content=raw), 400,
+                                                  "invalid_request_error")
+    openai_error(post(url, O, content=raw), 400, "body")
+
+
+def test_seed_out_of_range(serve):
+    url, engine = serve()
+    for seed in (2**64, -2**63 - 1, 10**30):
+        err = openai_error(post(url, O, o_body(seed=seed, max_tokens=3)), 400, "seed")
+        assert err["message"].startswith("seed: must be an integer in")
+    for seed in (2**64 - 1, -2**63, -1, 0):
+        assert post(url, O, o_body(seed=seed, max_tokens=3)).status_code == 200
+    assert [r.params.seed for r in engine.requests] == [2**64 - 1, -2**63, -1, 0]
+
+
+def test_tiny_temperature_and_top_p_are_clamped_to_their_greedy_limit(serve):
+    """0 < temperature < 1e-5 (and top_p < 1e-6) broke the sampler's float32 math: the engine step
+    failed for every request in the batch. They are sampled as their greedy limit instead."""
+    from sfcl.server.common import MIN_TOP_P
+    url, engine = serve()
+    assert post(url, O, o_body(temperature=1e-320, max_tokens=3)).status_code == 200
+    assert post(url, A, a_body(temperature=5e-324)).status_code == 200
+    assert post(url, A, a_body(temperature=0.5, top_p=1e-320)).status_code == 200
+    assert post(url, O, o_body(temperature=0.5, top_p=0.3, max_tokens=3)).status_code == 200
+    got = [(r.params.temperature, r.params.top_p) for r in engine.requests]
+    assert got == [(0.0, 1.0), (0.0, 1.0), (0.5, MIN_TOP_P), (0.5, 0.3)]
+
+
+def test_anthropic_empty_stop_sequence_names_stop_sequences(url):
+    msg = anthropic_error(post(url, A, a_body(stop_sequences=["x", ""])), 400,
+                          "invalid_request_error")
+    assert msg == "stop_sequences: stop sequences must be non-empty strings"
+
+
+class SlowEncodeEngine(FakeEngine):
+    def encode_chat(self, messages, system=None):
+        if "slow" in messages[-1]["content"]:
+            time.sleep(1.5)  # a huge prompt: tokenizing takes a while
+        return super().encode_chat(messages, system)
+
+
+def test_tokenizing_does_not_block_the_event_loop(serve):
+    url, _ = serve(SlowEncodeEngine())
+    slow = [{"role": "user", "content": "slow"}]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, url, A, a_body(messages=slow))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert post(url, O, o_body(max_tokens=3)).status_code == 200
+        assert time.monotonic() - t0 < 1.0  # not queued behind the slow tokenization
+        assert fut.result().status_code == 200
 
 
 # -- busy, engine errors, 500s --------------------------------------------------------------

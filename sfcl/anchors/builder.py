@@ -209,6 +209,10 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     non-empty directory. Returns the library path.
     """
     cfg = cfg or BuildConfig()
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # fail before the model pass
+        raise FileExistsError(f"{out} already exists and is not empty; anchor libraries are immutable, "
+                              "write a new version directory instead")
     layer = default_layer(lm.args.n_layers) if cfg.layer is None else cfg.layer
     if not 0 <= layer < lm.args.n_layers:
         raise ValueError(f"--layer {layer} is outside 0..{lm.args.n_layers - 1}")

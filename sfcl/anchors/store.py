@@ -201,6 +201,12 @@ def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_pro
             "files": {f: _sha256(tmp / f) for f in (TENSORS_FILE, SPANS_FILE)},
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        # mkdtemp makes 0700; a library is a shared read-only artefact: honour the umask instead
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in (TENSORS_FILE, SPANS_FILE, MANIFEST_FILE):
+            os.chmod(tmp / f, 0o666 & ~umask)
         try:
             os.rename(tmp, out_dir)  # replaces only a missing or empty directory
         except OSError as e:

@@ -48,8 +48,15 @@ class EngineThread:
         self.thread.join(timeout)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Called from any thread. Raises EngineBusyError when the waiting queue is full."""
-        if self.engine.scheduler.num_waiting + self.inbox.qsize() >= self.engine.scheduler.cfg.max_waiting:
+        """Called from any thread. Raises EngineBusyError when the waiting queue is full.
+
+        Capacity = free KV slots + ``max_waiting``: requests still in the inbox will first fill
+        free slots, so only the excess counts against the waiting bound. (Reads of the
+        scheduler's counters from this thread are racy by one or two; the scheduler's own bound
+        is exact and answers overloaded_error in the stream if a race slips through.)"""
+        sched = self.engine.scheduler
+        free = max(0, sched.cfg.max_num_seqs - sched.num_running)
+        if sched.num_waiting + self.inbox.qsize() >= sched.cfg.max_waiting + free:
             raise EngineBusyError(retry_after_s=1)
         self.inbox.put(("add", request_id, prompt_ids, params, sink))
 
@@ -74,6 +81,9 @@ class EngineThread:
                 self._emit([(rid, ErrorEvent("the engine queue is full; retry later", "overloaded_error"))])
             except ValueError as e:
                 self._emit([(rid, ErrorEvent(str(e), "invalid_request_error"))])
+            except Exception:  # never let one request's intake end the engine thread
+                log.exception("could not add request %s", rid)
+                self._emit([(rid, ErrorEvent("internal error while queueing the request", "api_error"))])
         elif cmd[0] == "abort":
             self.sinks.pop(cmd[1], None)
             self.engine.abort(cmd[1])
@@ -95,9 +105,9 @@ class EngineThread:
             try:
                 self._emit(self.engine.step())
                 self.steps += 1
-            except Exception as e:  # keep serving: fail the requests of this step, not the server
-                log.exception("engine step failed")
-                self._fail_running(f"engine error: {type(e).__name__}: {e}")
+            except Exception:  # keep serving: fail the requests of this step, not the server
+                log.exception("engine step failed")  # details in the server log, not to clients
+                self._fail_running("internal engine error; the request was stopped")
 
     def _fail_running(self, message: str) -> None:
         sched = self.engine.scheduler

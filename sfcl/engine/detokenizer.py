@@ -82,14 +82,16 @@ class IncrementalDetokenizer:
         return out, None
 
     def flush(self) -> str:
-        """Text still held at the end of generation (a stop-sequence prefix that never completed,
-        or an incomplete trailing character, which decodes to U+FFFD as the tokenizer gives it)."""
+        """Text still held at the end of generation: a stop-sequence prefix that never completed.
+        An incomplete trailing character (generation ended inside its bytes) is dropped, never
+        sent as U+FFFD."""
         if self.stop_hit is not None:
             return ""
         s = self.s
         tail = self._decode(s.ids[s.prefix_offset :])
         prefix = self._decode(s.ids[s.prefix_offset : s.read_offset])
         rest = tail[len(prefix) :] if len(tail) > len(prefix) else ""
+        rest = rest.rstrip(_REPLACEMENT)  # bytes of a character cut off by max_tokens: drop them
         out = s.pending + rest
         s.pending = ""
         s.read_offset = len(s.ids)

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below this a temperature means greedy
+MIN_TOP_P = 1e-6  # a smaller top_p keeps only the most likely token anyway
+
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits (B, V) float32 -> token ids (B,) int64 on the same device."""
     out = logits.argmax(-1)  # (B,)
     for i, t in enumerate(temperatures):
-        if t <= 0.0:
+        if t <= MIN_TEMPERATURE:  # 0, or so small that logits / t overflows: greedy
             continue
         probs = torch.softmax(logits[i] / t, dim=-1)  # (V,)
-        top_p = top_ps[i]
+        if not bool(torch.isfinite(probs).all()):
+            continue  # degenerate row: keep its argmax rather than fail the batch
+        top_p = max(float(top_ps[i]), MIN_TOP_P)
         if top_p < 1.0:
             sp, si = probs.sort(descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # always keeps the most likely token

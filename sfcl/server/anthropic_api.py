@@ -223,13 +223,16 @@ async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Respo
     check_model(engine, req.model, openai=False)
     messages = to_engine_messages(req)
     system = _text(req.system) or None
+    if any(s == "" for s in req.stop_sequences or []):
+        raise ApiError(400, "stop_sequences: stop sequences must be non-empty strings",
+                       param="stop_sequences")
     params = make_params(
         max_tokens=req.max_tokens,
         temperature=request.app.state.default_temperature if req.temperature is None
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, steer=req.steer)
-    prompt_ids = encode_prompt(engine, messages, system)
+    prompt_ids = await encode_prompt(engine, messages, system)
     check_context(engine, len(prompt_ids), req.max_tokens)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s

@@ -18,6 +18,7 @@ import hmac
 import inspect
 import json
 import logging
+import re
 import secrets
 import sys
 import time
@@ -133,9 +134,46 @@ async def read_json(request: Request) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(text, parse_constant=no_constants)
+        value = json.loads(text, parse_constant=no_constants)
+    except RecursionError:  # e.g. 100k nested arrays: the decoder runs out of stack
+        raise ApiError(400, "body: invalid JSON: nested too deeply", param="body") from None
     except ValueError as e:
         raise ApiError(400, f"body: invalid JSON: {e}", param="body") from None
+    where = find_lone_surrogate(value)
+    if where is not None:
+        raise ApiError(400, f"{where}: string contains a lone UTF-16 surrogate escape "
+                            "(\\ud800-\\udfff without its pair), which is not valid Unicode",
+                       param=where)
+    return value
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _has_surrogate(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+def find_lone_surrogate(value: Any) -> str | None:
+    """Dotted path (``messages.0.content``) of the first string (value or key) holding a lone
+    surrogate, else None. ``json.loads`` accepts ``"\\ud800"`` escapes, but such strings cannot
+    be encoded as UTF-8 (tokenizer, logs, JSON responses), so they are the client's error."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:  # iterative: the decoder accepts nesting deeper than a recursive walk could
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return ".".join(str(p) for p in path) or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if _has_surrogate(k):
+                    parent = ".".join(str(p) for p in path)
+                    key = k.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+                    return f"{parent}.{key}" if parent else key
+                stack.append((item, path + (k,)))
+        elif isinstance(v, list):
+            stack.extend((item, path + (i,)) for i, item in enumerate(v))
+    return None
 
 
 def parse_model(model_cls: type[BaseModel], data: Any) -> Any:
@@ -204,8 +242,27 @@ def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
     return mode
 
 
+# Below these the sampler's float32 math breaks (logits / T overflows, top_p rounds to 0) and the
+# engine step fails for every request in the batch. Both limits are the greedy limit anyway: a
+# temperature under MIN_TEMPERATURE is sampled as 0 (argmax), and a top_p of MIN_TOP_P already
+# keeps only the most likely token.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
 def make_params(**kwargs: Any) -> SamplingParams:
     """``SamplingParams`` or a 400 naming the field its ValueError mentions."""
+    seed = kwargs.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ApiError(400, f"seed: must be an integer in [-2**63, 2**64 - 1], got {seed}",
+                       param="seed")
+    temperature = kwargs.get("temperature")
+    if isinstance(temperature, (int, float)) and 0.0 < temperature < MIN_TEMPERATURE:
+        kwargs["temperature"] = 0.0
+    top_p = kwargs.get("top_p")
+    if isinstance(top_p, (int, float)) and 0.0 < top_p < MIN_TOP_P:
+        kwargs["top_p"] = MIN_TOP_P
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -215,10 +272,15 @@ def make_params(**kwargs: Any) -> SamplingParams:
         raise ApiError(400, f"{param}: {text}", param=param) from None
 
 
-def encode_prompt(engine: EngineClient, messages: list[dict], system: str | None) -> list[int]:
-    """Chat template + tokenize; template errors (bad role order...) are the client's: 400."""
+async def encode_prompt(engine: EngineClient, messages: list[dict],
+                        system: str | None) -> list[int]:
+    """Chat template + tokenize; template errors (bad role order...) are the client's: 400.
+
+    Runs in a worker thread: tokenizing a body near MAX_BODY_BYTES takes tens of seconds, which
+    on the event loop would stall every other stream, keepalive and /health meanwhile.
+    """
     try:
-        return list(engine.encode_chat(messages, system))
+        return list(await anyio.to_thread.run_sync(engine.encode_chat, messages, system))
     except ApiError:
         raise
     except Exception as e:

@@ -113,11 +113,20 @@ def error_style(request_or_scope: Request | Scope) -> Style:
     return "openai"
 
 
+def utf8_safe(text: str | None) -> str | None:
+    """``text`` with lone surrogates (unencodable in UTF-8) shown as ``\\udXXX`` escapes, so that
+    echoing client input in an error message can never break the JSON response itself."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(err: ApiError, style: Style) -> dict:
+    message = utf8_safe(err.message) or ""
     if style == "anthropic":
-        return anthropic_error_body(err.type or anthropic_type_for(err.status), err.message)
-    return openai_error_body(err.message, type=err.openai_type or openai_type_for(err.status),
-                             param=err.param, code=err.code)
+        return anthropic_error_body(err.type or anthropic_type_for(err.status), message)
+    return openai_error_body(message, type=err.openai_type or openai_type_for(err.status),
+                             param=utf8_safe(err.param), code=err.code)
 
 
 def error_response(err: ApiError, style: Style) -> JSONResponse:

@@ -214,7 +214,7 @@ async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(s == "" for s in stop):
         raise ApiError(400, "stop: stop sequences must be non-empty strings", param="stop")
-    prompt_ids = encode_prompt(engine, messages, None)
+    prompt_ids = await encode_prompt(engine, messages, None)
     max_tokens = resolve_max_tokens(engine, req, len(prompt_ids))
     params = make_params(
         max_tokens=max_tokens,

@@ -87,13 +87,14 @@ class Snapshotter:
         cnt = (state.count[slots] + 1).clamp_max(w)
         state.count[slots] = cnt
         d3 = hist.sum(1) / cnt.float()  # zeros before the first value do not count
+        full = cnt >= w  # the statistic is defined over `w` generated tokens: none before that
         ent_state = entity.entity_flags(self.class_table[tokens], state.ent[slots])
         state.ent[slots] = ent_state
         in_entity = (ent_state & entity.IN_ENTITY) != 0
         p = token_logp.exp()
         fired = torch.stack([
             entity_low_confidence(p, in_entity, self.cfg.entity_prob_threshold),
-            dispersion_trigger(d3, self.cal, self.cfg.dispersion_z),
+            dispersion_trigger(d3, self.cal, self.cfg.dispersion_z) & full,
             surprisal_trigger(-token_logp, self.cal, self.cfg.surprisal_z),
         ], dim=1)  # (B, 3)
         enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=fired.device)

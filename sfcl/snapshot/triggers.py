@@ -8,7 +8,8 @@ Signals (all natural-log units):
   token, as *normalised entropy* averaged over heads,
       d = mean_h( -sum_j a_hj log a_hj / log(n) ),  n = number of attended positions (n >= 2),
   in [0, 1]: 0 = all weight on one position, 1 = uniform over the context. The trigger reads
-  ``D3`` = the mean of d over the last 3 generated tokens (fewer at the start of a response).
+  ``D3`` = the mean of d over the last 3 generated tokens; undefined (never fires) before the
+  third generated token.
 
 Triggers (defaults from the source design where it gives one, ``docs/SEED.md``):
 1. ``entity_low_confidence``: token inside an entity-like span (``sfcl.snapshot.entity``) and
