@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from sfcl.engine.events import SNAPSHOT_MODES
@@ -66,8 +68,39 @@ def cmd_serve(a) -> int:
     print(f"sfcl: serving {built.lm.name} on http://{a.host}:{a.port} "
           f"(snapshots: {'on, ' + str(built.library.n_anchors) + ' anchors' if built.library else 'off'})",
           file=sys.stderr, flush=True)
+    # Graceful shutdown: on SIGTERM/SIGINT uvicorn stops accepting and waits for open streams;
+    # after --shutdown-timeout the engine ends whatever still runs with a proper stop event
+    # (stop_reason max_tokens), so clients see a well-formed end, and the process exits 0.
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                                           timeout_graceful_shutdown=a.shutdown_timeout + 5))
+    uvicorn_exit = server.handle_exit
+
+    # sse-starlette would cut every open stream at the first signal; we drain them ourselves.
+    from sse_starlette.sse import AppStatus
+
+    AppStatus.disable_automatic_graceful_drain()
+
+    def past_deadline() -> None:
+        built.engine.finish_all()  # streams end with message_delta/message_stop, [DONE]
+        t2 = threading.Timer(3.0, lambda: setattr(AppStatus, "should_exit", True))  # safety net
+        t2.daemon = True
+        t2.start()
+
+    def handle_exit(sig, frame) -> None:
+        if not server.should_exit:
+            print(f"sfcl: shutting down; open streams get {a.shutdown_timeout:g} s to finish", file=sys.stderr,
+                  flush=True)
+            t = threading.Timer(a.shutdown_timeout, past_deadline)
+            t.daemon = True
+            t.start()
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = handle_exit
+    # uvicorn re-raises the captured signal after its graceful shutdown, into whatever handler was
+    # installed before it started; a no-op SIGTERM handler there turns that into a clean exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+        server.run()
     finally:
         built.engine.shutdown()
     return 0
@@ -149,6 +182,17 @@ def cmd_anchors_build(a) -> int:
     return 0
 
 
+def cmd_soak(a) -> int:
+    from sfcl.tools.soak import soak
+
+    st = asyncio.run(soak(a.url, a.concurrency, a.duration, a.disconnect, a.max_tokens, a.seed))
+    print(st.table())
+    for e in st.errors[:10]:
+        print("error:", e, file=sys.stderr)
+    bad = st.errors or st.lost_or_duplicated or st.idle_after_s is None
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sfcl", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -161,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require this key (x-api-key or Bearer); or set SFCL_API_KEY")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds open streams may run after SIGTERM before they are ended with a stop event")
     s.set_defaults(fn=cmd_serve)
 
     g = sub.add_parser("generate", help="stream one answer in the terminal, snapshots marked inline", **fmt)
@@ -177,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
     _add_snapshot_flags(g)
     g.set_defaults(fn=cmd_generate)
+
+    k = sub.add_parser("soak", help="bounded soak test of a running server (loopback only)", **fmt)
+    k.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
+    k.add_argument("--concurrency", type=int, default=64, help="concurrent streaming clients")
+    k.add_argument("--duration", type=float, default=180.0, help="seconds to keep starting requests")
+    k.add_argument("--disconnect", type=float, default=0.3, help="share of clients that hang up mid-stream")
+    k.add_argument("--max-tokens", type=int, default=48, help="max_tokens per request (random 8..this)")
+    k.add_argument("--seed", type=int, default=0, help="random seed of the client mix")
+    k.set_defaults(fn=cmd_soak)
 
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)

@@ -150,3 +150,65 @@ def test_bad_requests_get_api_errors_not_500(server):
     r = httpx.post(url + "/v1/messages", json={"model": "smollm2-135m-instruct", "max_tokens": 10,
                                                "messages": [{"role": "user", "content": "x " * 9000}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_sigterm_lets_streams_end_with_a_stop_event_and_exits_0(nda_library, cache_dir):
+    import signal
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
+         "--cache-dir", str(cache_dir), "--shutdown-timeout", "2", "--threads", "2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(360):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 2000, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": "Write a very long essay about contract law."}]}
+        raw: list[str] = []
+        got_text = threading.Event()
+
+        def read():
+            with httpx.stream("POST", url + "/v1/messages", json=body, timeout=60) as r:
+                for chunk in r.iter_text():
+                    raw.append(chunk)
+                    if "content_block_delta" in chunk:
+                        got_text.set()
+
+        t = threading.Thread(target=read)
+        t.start()
+        assert got_text.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert proc.wait(30) == 0
+        text = "".join(raw)
+        assert "event: message_stop" in text and '"stop_reason": "max_tokens"' in text.replace('":"', '": "')
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_short_soak_with_random_disconnects(server):
+    """CI-sized version of `sfcl soak`: no errors, no lost/duplicated tokens, idle again, no
+    leftover threads."""
+    import asyncio
+
+    from sfcl.tools.soak import soak
+
+    url, _ = server
+    # warm-up: lets worker pools (tokenizer offload threads) reach their steady size
+    asyncio.run(soak(url, concurrency=8, duration_s=4, disconnect_p=0.4, max_tokens=8, progress=False))
+    threads_before = httpx.get(url + "/health").json()["threads"]
+    st = asyncio.run(soak(url, concurrency=8, duration_s=20, disconnect_p=0.4, max_tokens=24, progress=False))
+    assert st.errors == [] and st.lost_or_duplicated == 0, st.table()
+    assert st.completed > 5 and st.disconnected > 2, st.table()
+    assert st.idle_after_s is not None, st.table()
+    assert httpx.get(url + "/health").json()["threads"] <= threads_before + 1

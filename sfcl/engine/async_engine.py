@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -63,6 +64,10 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
+    def finish_all(self) -> None:
+        """Ask the thread to end every request with a stop event (graceful-shutdown deadline)."""
+        self.inbox.put(("finish_all",))
+
     def _emit(self, events) -> None:
         for rid, ev in events:
             sink = self.sinks.get(rid)
@@ -84,6 +89,8 @@ class EngineThread:
             except Exception:  # never let one request's intake end the engine thread
                 log.exception("could not add request %s", rid)
                 self._emit([(rid, ErrorEvent("internal error while queueing the request", "api_error"))])
+        elif cmd[0] == "finish_all":
+            self._emit(self.engine.finish_all())
         elif cmd[0] == "abort":
             self.sinks.pop(cmd[1], None)
             self.engine.abort(cmd[1])
@@ -114,6 +121,15 @@ class EngineThread:
         for seq in [s for s in sched.running if s is not None]:
             self._emit([(seq.request_id, ErrorEvent(message, "api_error"))])
             self.engine.abort(seq.request_id)
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process in bytes (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class AsyncEngine:
@@ -165,7 +181,11 @@ class AsyncEngine:
         sched = self.engine.scheduler
         return {"model": self.model_name, "snapshots_available": self.snapshots_available,
                 "running": sched.num_running, "waiting": sched.num_waiting,
-                "max_model_len": self.max_model_len, **self._extra_health}
+                "max_model_len": self.max_model_len, "engine_steps": self.thread.steps,
+                "rss_bytes": _rss_bytes(), "threads": threading.active_count(), **self._extra_health}
+
+    def finish_all(self) -> None:
+        self.thread.finish_all()
 
     def shutdown(self) -> None:
         self.thread.stop()

@@ -70,6 +70,15 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def finish_all(self, reason: str = "max_tokens") -> list[tuple[str, EngineEvent]]:
+        """End every request now with a proper ``Finished`` (graceful shutdown past its deadline)."""
+        events: list[tuple[str, EngineEvent]] = []
+        for st in list(self.requests.values()):
+            if st.seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(st.seq)
+            events.extend(self._finish(st, reason, None))
+        return events
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[tuple[str, EngineEvent]]:
         t0 = time.perf_counter()
@@ -133,7 +142,10 @@ class LLMEngine:
         tail = st.detok.flush()
         if tail:
             ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
-        self.scheduler.finish(seq, reason)
+        if seq.slot >= 0:
+            self.scheduler.finish(seq, reason)
+        else:  # never admitted (finish_all on a waiting request)
+            self.scheduler._finish(seq, reason)
         n_out = len(seq.output_ids)
         summary = {
             "mode": seq.params.snapshot_mode,
