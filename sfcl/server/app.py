@@ -26,6 +26,7 @@ from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
 from sfcl.server.common import check_api_key, setup_request_logger
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
+from sfcl.server.openapi import install_openapi
 
 
 def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interval_s: float = 5.0,
@@ -94,4 +95,5 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
                            code="model_not_found" if openai else None)
         return JSONResponse(model_entry(request))
 
+    install_openapi(app)
     return app
