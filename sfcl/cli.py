@@ -65,6 +65,10 @@ def cmd_serve(a) -> int:
     built = build_engine(mc, ec, sc)
     api_key = a.api_key or os.environ.get("SFCL_API_KEY") or None
     app = create_app(built.engine, api_key=api_key, default_snapshot_mode=sc.default_mode)
+    if a.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(a.metrics_port, addr=a.host, registry=built.engine.metrics.registry)
     print(f"sfcl: serving {built.lm.name} on http://{a.host}:{a.port} "
           f"(snapshots: {'on, ' + str(built.library.n_anchors) + ' anchors' if built.library else 'off'})",
           file=sys.stderr, flush=True)
@@ -205,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require this key (x-api-key or Bearer); or set SFCL_API_KEY")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics on this port without the API key (for a scraper on a private network)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open streams may run after SIGTERM before they are ended with a stop event")
     s.set_defaults(fn=cmd_serve)

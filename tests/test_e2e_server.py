@@ -212,3 +212,51 @@ def test_short_soak_with_random_disconnects(server):
     assert st.completed > 5 and st.disconnected > 2, st.table()
     assert st.idle_after_s is not None, st.table()
     assert httpx.get(url + "/health").json()["threads"] <= threads_before + 1
+
+
+def test_metrics_endpoint_counts_real_traffic(server):
+    url, _ = server
+    before = httpx.get(url + "/metrics").text
+    r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": "always"}, timeout=120, json={
+        "model": "smollm2-135m-instruct", "max_tokens": 5, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hi."}]})
+    assert r.status_code == 200
+    text = httpx.get(url + "/metrics").text
+
+    def value(body, name):
+        return sum(float(line.split()[-1]) for line in body.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    n = r.json()["usage"]["output_tokens"]
+    assert value(text, "sfcl_generation_tokens_total") - value(before, "sfcl_generation_tokens_total") >= n
+    assert value(text, "sfcl_snapshot_lookups_total") - value(before, "sfcl_snapshot_lookups_total") == n
+    assert "sfcl_snapshots_enabled 1.0" in text and "sfcl_num_requests_running" in text
+
+
+def test_missing_library_fails_clearly_or_starts_without_snapshots(cache_dir, tmp_path):
+    bad = tmp_path / "no-such-library"
+    r = subprocess.run([sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(bad), "--anchor-retry", "1",
+                        "--cache-dir", str(cache_dir), "--port", str(free_port())],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "[ANCHOR]" in r.stderr and str(bad) in r.stderr
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(bad), "--anchor-retry", "1",
+                             "--anchor-optional", "--cache-dir", str(cache_dir), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(360):
+            try:
+                h = httpx.get(url + "/health", timeout=1)
+                if h.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert h.json()["snapshots_available"] is False and h.json()["anchors"] is None
+        assert "sfcl_snapshots_enabled 0.0" in httpx.get(url + "/metrics").text
+        r = httpx.post(url + "/v1/messages", timeout=60, json={"model": "smollm2-135m-instruct", "max_tokens": 4,
+                                                                "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["sfcl"]["snapshots"]["lookups"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -100,3 +100,31 @@ def test_seeded_sampling_is_reproducible(lm, nda_library):
     c = summarise(run_to_completion(eng, [(ids, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7,
                                                               snapshot_mode="off"))])[0])[0]
     assert a == b and a != c
+
+
+def test_a_failing_request_does_not_take_down_its_batch(lm, nda_library):
+    """An error in one request's update ends that request with an ErrorEvent; the others finish."""
+    from sfcl.engine.events import ErrorEvent
+
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4))
+    ids = [chat_ids(lm, q) for q in ("Say yes.", "Say no.", "Say maybe.")]
+    params = [SamplingParams(max_tokens=10, snapshot_mode="off") for _ in ids]
+    for i, (p, sp) in enumerate(zip(ids, params)):
+        eng.add_request(f"r{i}", p, sp)
+    bad = eng.requests["r1"]
+
+    class Boom:
+        def add(self, token_id):
+            raise RuntimeError("boom")
+
+        def flush(self):
+            return ""
+
+    bad.detok = Boom()
+    seen: dict[str, list] = {"r0": [], "r1": [], "r2": []}
+    while eng.has_work():
+        for rid, ev in eng.step():
+            seen[rid].append(ev)
+    assert isinstance(seen["r1"][-1], ErrorEvent) and "internal error" in seen["r1"][-1].message
+    assert isinstance(seen["r0"][-1], Finished) and isinstance(seen["r2"][-1], Finished)
+    assert eng.scheduler.num_running == 0 and eng.requests == {}

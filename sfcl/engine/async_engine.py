@@ -31,8 +31,9 @@ Sink = Callable[[EngineEvent], None]
 class EngineThread:
     """Runs ``engine.step()`` in a loop on a dedicated thread."""
 
-    def __init__(self, engine: LLMEngine, num_threads: int | None = None):
+    def __init__(self, engine: LLMEngine, num_threads: int | None = None, stat_logger=None):
         self.engine = engine
+        self.stat_logger = stat_logger  # sfcl.metrics.PrometheusStatLogger or None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
@@ -110,8 +111,11 @@ class EngineThread:
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             try:
-                self._emit(self.engine.step())
+                events = self.engine.step()
+                self._emit(events)
                 self.steps += 1
+                if self.stat_logger is not None:
+                    self.stat_logger.log(self.engine.last_stats, events)
             except Exception:  # keep serving: fail the requests of this step, not the server
                 log.exception("engine step failed")  # details in the server log, not to clients
                 self._fail_running("internal engine error; the request was stopped")
@@ -132,6 +136,14 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _task_count() -> int | None:
+    """asyncio tasks alive on the calling thread's loop (None outside a loop)."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return None
+
+
 class AsyncEngine:
     """EngineClient over an EngineThread (see ``sfcl.engine.protocol``)."""
 
@@ -143,7 +155,12 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.snapshots_available = engine.runner.snapshotter is not None
         self._extra_health = extra_health or {}
-        self.thread = EngineThread(engine, num_threads)
+        from sfcl.metrics import PrometheusStatLogger
+
+        self.metrics = PrometheusStatLogger(self.snapshots_available)
+        sched = engine.scheduler
+        self.metrics.watch_queue(lambda: sched.num_running, lambda: sched.num_waiting)
+        self.thread = EngineThread(engine, num_threads, self.metrics)
         self.thread.start()
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
@@ -182,7 +199,8 @@ class AsyncEngine:
         return {"model": self.model_name, "snapshots_available": self.snapshots_available,
                 "running": sched.num_running, "waiting": sched.num_waiting,
                 "max_model_len": self.max_model_len, "engine_steps": self.thread.steps,
-                "rss_bytes": _rss_bytes(), "threads": threading.active_count(), **self._extra_health}
+                "rss_bytes": _rss_bytes(), "threads": threading.active_count(), "tasks": _task_count(),
+                **self._extra_health}
 
     def finish_all(self) -> None:
         self.thread.finish_all()

@@ -9,15 +9,18 @@ on the one thread that owns the model.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from sfcl.engine.detokenizer import IncrementalDetokenizer
-from sfcl.engine.events import EngineEvent, Finished, SnapshotEvent, Started, TextDelta, AnchorHit
+from sfcl.engine.events import AnchorHit, EngineEvent, ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.model_runner import ModelRunner, RunnerOutput, SeqResult
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+
+log = logging.getLogger("sfcl.engine")
 
 
 @dataclass(slots=True)
@@ -99,7 +102,13 @@ class LLMEngine:
             st = self.requests.get(seq.request_id)
             if res is None or st is None:
                 continue
-            events.extend(self._advance(st, res, now))
+            try:
+                events.extend(self._advance(st, res, now))
+            except Exception:  # one request's bookkeeping failed: end that request only
+                log.exception("request %s failed in update", seq.request_id)
+                self.scheduler.finish(seq, "aborted")
+                self._drop(seq.request_id)
+                events.append((seq.request_id, ErrorEvent("internal error while processing this request", "api_error")))
         return events
 
     def _advance(self, st: RequestState, res: SeqResult, now: float) -> list[tuple[str, EngineEvent]]:

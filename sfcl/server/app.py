@@ -19,7 +19,7 @@ import time
 from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from sfcl.engine.events import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
@@ -94,6 +94,16 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
             raise ApiError(404, f"model: {model_id} not found", param="model",
                            code="model_not_found" if openai else None)
         return JSONResponse(model_entry(request))
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition. Needs the API key when one is set (or serve it on
+        ``--metrics-port`` instead, bound to the same host, for a scraper on a private network)."""
+        check_api_key(request, openai=error_style(request) == "openai")
+        m = getattr(engine, "metrics", None)
+        if m is None:
+            raise ApiError(404, "this engine exports no metrics")
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     install_openapi(app)
     return app

@@ -1,0 +1,47 @@
+"""The stat logger turns engine records into Prometheus series; /metrics honours the API key."""
+
+import httpx
+
+from sfcl.engine.engine import StepStats
+from sfcl.engine.events import AnchorHit, ErrorEvent, Finished, SnapshotEvent
+from sfcl.metrics import PrometheusStatLogger
+from sfcl.server import create_app
+from sfcl.server.testing import FakeEngine, serve_in_thread
+
+
+def value(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def snap(trigger):
+    return SnapshotEvent(snapshot_id=0, token_index=0, trigger=trigger, triggers=[trigger], anchor_id=1,
+                         confidence=0.5, token="x", token_logprob=-1.0, entropy=1.0,
+                         top=[AnchorHit(1, 0.9, "general", {})])
+
+
+def test_step_records_become_series():
+    m = PrometheusStatLogger(snapshots_enabled=False)
+    m.watch_queue(lambda: 3, lambda: 7)
+    fin = Finished("max_tokens", None, prompt_tokens=11, completion_tokens=4, snapshot_summary={}, ttft_ms=250.0)
+    m.log(StepStats(generated=2, lookups=1, lookup_ms=2.0), [("a", snap("entity_low_confidence")), ("b", snap("always"))])
+    m.log(StepStats(generated=1), [("a", fin), ("c", ErrorEvent("x"))])
+    t = m.render().decode()
+    assert value(t, "sfcl_generation_tokens_total") == 3 and value(t, "sfcl_engine_steps_total") == 2
+    assert 'sfcl_snapshot_lookups_total{trigger="entity_low_confidence"} 1.0' in t
+    assert 'sfcl_snapshot_lookups_total{trigger="always"} 1.0' in t
+    assert 'sfcl_requests_total{status="max_tokens"} 1.0' in t and 'sfcl_requests_total{status="error"} 1.0' in t
+    assert value(t, "sfcl_prompt_tokens_total") == 11 and value(t, "sfcl_time_to_first_token_seconds_count") == 1
+    assert value(t, "sfcl_snapshot_lookup_seconds_sum") == 0.002
+    assert "sfcl_num_requests_running 3.0" in t and "sfcl_num_requests_waiting 7.0" in t
+    assert "sfcl_snapshots_enabled 0.0" in t
+
+
+def test_metrics_route_requires_the_api_key_when_set():
+    eng = FakeEngine()
+    eng.metrics = PrometheusStatLogger(snapshots_enabled=True)
+    with serve_in_thread(create_app(eng, api_key="sekret")) as url:
+        assert httpx.get(url + "/metrics").status_code == 401
+        r = httpx.get(url + "/metrics", headers={"authorization": "Bearer sekret"})
+        assert r.status_code == 200 and "sfcl_snapshots_enabled 1.0" in r.text
+        assert httpx.get(url + "/health").status_code == 200  # health stays open for probes
