@@ -25,18 +25,23 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(nda_library, cache_dir):
+def server(nda_library, cache_dir, tmp_path_factory):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Logs go to files: an unread pipe fills up after a few hundred JSON request lines and then
+    # blocks the server's event loop on its next log write.
+    logs = tmp_path_factory.mktemp("server-logs")
+    out, err = open(logs / "stdout.jsonl", "w"), open(logs / "stderr.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
          "--cache-dir", str(cache_dir), "--max-num-seqs", "4", "--threads", "2"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, env=env, stdout=out, stderr=err, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("server exited early:\n" + proc.stderr.read())
+            err.seek(0)
+            raise RuntimeError("server exited early:\n" + err.read())
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 break
@@ -51,6 +56,8 @@ def server(nda_library, cache_dir):
         proc.wait(20)
     except subprocess.TimeoutExpired:
         proc.kill()
+    out.close()
+    err.close()
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +167,7 @@ def test_sigterm_lets_streams_end_with_a_stop_event_and_exits_0(nda_library, cac
     proc = subprocess.Popen(
         [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
          "--cache-dir", str(cache_dir), "--shutdown-timeout", "2", "--threads", "2"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(360):
@@ -244,7 +251,7 @@ def test_missing_library_fails_clearly_or_starts_without_snapshots(cache_dir, tm
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(bad), "--anchor-retry", "1",
                              "--anchor-optional", "--cache-dir", str(cache_dir), "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(360):

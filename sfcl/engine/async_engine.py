@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from typing import AsyncIterator, Callable
@@ -164,9 +165,36 @@ class AsyncEngine:
         self.thread.start()
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
-        msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
-        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Chat template (generation prompt added) -> token ids, with message text that can never
+        become a control token: a client's ``<|im_start|>`` stays plain text.
+
+        Each message's content is rendered as a unique sentinel, the rendered template is split at
+        the sentinels, template pieces are tokenized with special tokens and content pieces with
+        ``split_special_tokens=True``.
+        """
+        msgs = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+        nonce = uuid.uuid4().hex[:12]
+        contents = []
+        for i, m in enumerate(msgs):
+            contents.append(str(m.get("content", "")))
+            m["content"] = f"\ue000{nonce}:{i}\ue001"
+        tok = self.tokenizer
+        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        if len(parts) != 2 * len(msgs) + 1:  # the template dropped or duplicated a message
+            log.warning("chat template did not render each message once; tokenizing without the guard")
+            for m, c in zip(msgs, contents):
+                m["content"] = c
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        ids: list[int] = []
+        for j, piece in enumerate(parts):
+            if j % 2 == 0:
+                if piece:
+                    ids += tok(piece, add_special_tokens=False)["input_ids"]
+            elif contents[int(piece)]:
+                ids += tok(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[EngineEvent]:

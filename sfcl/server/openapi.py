@@ -140,8 +140,69 @@ def _errors(schema: dict, statuses: dict[str, str]) -> dict:
     return {code: _json(schema, text) for code, text in statuses.items()}
 
 
-def _sse(description: str) -> dict:
-    return {"schema": {"type": "string"}, "x-description": description}
+def _json_data(schema: dict) -> dict:
+    """An SSE ``data`` field holding JSON that matches ``schema``."""
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
+
+
+# One schema per streamed event (OpenAPI < 3.2: a text/event-stream ``schema`` describes each
+# event read as {"event", "data", "id"?, "retry"?}; ``data`` is JSON, described by contentSchema).
+_ANTHROPIC_EVENTS: dict[str, dict] = {
+    "message_start": {"required": ["message"], "properties": {"message": _ref("Message")}},
+    "content_block_start": {"required": ["index", "content_block"]},
+    "ping": {},
+    "content_block_delta": {
+        "required": ["index", "delta"],
+        "properties": {"index": {"type": "integer"},
+                       "delta": {"type": "object", "required": ["type", "text"],
+                                 "properties": {"type": {"const": "text_delta"},
+                                                "text": {"type": "string"}}}}},
+    "snapshot_triggered": {"required": ["snapshot_id", "token_index", "trigger", "top"]},
+    "content_block_stop": {"required": ["index"]},
+    "message_delta": {
+        "required": ["delta", "usage"],
+        "properties": {"delta": {"type": "object", "required": ["stop_reason", "stop_sequence"]},
+                       "usage": {"type": "object", "required": ["output_tokens"]}}},
+    "message_stop": {},
+    "error": {"required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
+}
+
+
+def _anthropic_event_schema() -> dict:
+    """Each named event, its ``data`` a JSON object whose ``type`` is the event's name."""
+    variants = []
+    for name, body in _ANTHROPIC_EVENTS.items():
+        data = {"type": "object", "required": ["type", *body.get("required", [])],
+                "properties": {"type": {"const": name}, **body.get("properties", {})}}
+        variants.append({"type": "object", "required": ["event", "data"],
+                         "properties": {"event": {"const": name}, "data": _json_data(data),
+                                        "id": {"type": "string"}}})
+    return {"oneOf": variants}
+
+
+_CHUNK = {
+    "type": "object", "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"},
+        "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {"type": "array", "maxItems": 1, "items": {
+            "type": "object", "required": ["index", "delta", "finish_reason"],
+            "properties": {"index": {"const": 0}, "delta": {"type": "object"},
+                           "finish_reason": {"enum": [None, "stop", "length"]}}}},
+        "usage": {"type": ["object", "null"]},
+    },
+}
+# OpenAI stream: unnamed events whose data is a chunk, an error object, or the final [DONE].
+_OPENAI_EVENT = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"const": "message"},
+        "data": {"if": {"const": "[DONE]"}, "then": {"const": "[DONE]"},
+                 "else": _json_data({"oneOf": [_CHUNK, _ref("OpenAIError")]})},
+    },
+}
 
 
 def describe(schema: dict) -> dict:
@@ -172,7 +233,7 @@ def describe(schema: dict) -> dict:
             "200": {"description": "The message (JSON), or its event stream when stream=true",
                     "headers": {"request-id": {"schema": {"type": "string"}}},
                     "content": {"application/json": {"schema": _ref("Message")},
-                                "text/event-stream": _sse("Anthropic stream events")}},
+                                "text/event-stream": {"schema": _anthropic_event_schema()}}},
             **_errors(_ref("AnthropicError"), _POST_ERRORS),
             "529": _json(_ref("AnthropicError"), "Overloaded (request queue full)"),
         }
@@ -182,7 +243,7 @@ def describe(schema: dict) -> dict:
             "200": {"description": "The completion (JSON), or its chunk stream when stream=true",
                     "headers": {"x-request-id": {"schema": {"type": "string"}}},
                     "content": {"application/json": {"schema": _ref("ChatCompletion")},
-                                "text/event-stream": _sse("data: chunk frames, then [DONE]")}},
+                                "text/event-stream": {"schema": _OPENAI_EVENT}}},
             **_errors(_ref("OpenAIError"), _POST_ERRORS),
         }
     if (op := paths.get("/health", {}).get("get")) is not None:

@@ -9,12 +9,16 @@ only when the engine has been silent for a while, in each API's own shape:
 * OpenAI route: unnamed ``data: {chunk}`` frames only, ``data: [DONE]`` at the end; the keepalive
   is the comment line ``: ping``.
 
-``format_frame`` is the pure formatter (same bytes as sse-starlette with ``sep="\\n"``), handy in
-tests and logs.
+Every frame is built by ``make_event``, which makes it safe whatever its fields hold: data is
+split on CR / LF only (as SSE readers split it), ``event`` / ``id`` values lose line breaks (no
+field or event injection), and lone surrogates never reach the UTF-8 encoder. ``format_frame`` is
+the same frame as text, handy in tests and logs.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, AsyncIterable, Awaitable, Callable, Mapping
 
 import anyio
@@ -29,38 +33,68 @@ DONE = "[DONE]"
 _NO_PING = 24 * 3600
 
 
+# The only line breaks of the SSE format. Not ``str.splitlines()``: that also breaks on U+2028,
+# U+2029, U+0085, \v, \f and \x1c-\x1e, which SSE readers keep inside a line (a JSON payload
+# holding U+2028 would come back with a newline in the middle of a string).
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _utf8(text: str) -> str:
+    """``text`` as a UTF-8 stream can carry it: a lone surrogate becomes U+FFFD (encoding it
+    would raise mid-stream and cut the response)."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def _one_line(text: str) -> str:
+    """An ``event:`` / ``id:`` value: a line break would end the field and start another one."""
+    return _LINE_BREAK.sub("", _utf8(text))
+
+
+def json_text(obj: Any) -> str:
+    """Compact JSON for a ``data:`` line: UTF-8 as is, and ``\\uXXXX`` escapes when a string
+    holds a lone surrogate (raw it is not encodable; escaped it is valid JSON and decodes back to
+    the same string). Raw line breaks cannot occur: JSON escapes them inside strings."""
+    text = dumps(obj)
+    if text.isascii() or _SURROGATE.search(text) is None:
+        return text
+    return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def make_event(data: Any = None, *, event: str | None = None, id: str | int | None = None,
+               comment: str | None = None) -> ServerSentEvent:
+    """One SSE frame. ``data`` that is not a str is JSON-encoded (``json_text``); str data is sent
+    as is, one ``data:`` line per line. ``event`` / ``id`` lose any CR / LF (they could otherwise
+    end the field and inject others, or a whole event), and every field is valid UTF-8."""
+    if data is not None:
+        data = _utf8(data) if isinstance(data, str) else json_text(data)
+    return ServerSentEvent(
+        data,
+        event=None if event is None else _one_line(event),
+        id=None if id is None else _one_line(str(id)),
+        comment=None if comment is None else _utf8(str(comment)),
+        sep=SEP)
+
+
 def format_frame(data: Any = None, *, event: str | None = None, id: str | int | None = None,
                  comment: str | None = None) -> str:
-    """One SSE frame as text. ``data`` that is not a str is JSON-encoded (compact, UTF-8)."""
-    lines: list[str] = []
-    if comment is not None:
-        lines += [f": {c}" for c in str(comment).splitlines() or [""]]
-    if id is not None:
-        lines.append(f"id: {id}")
-    if event is not None:
-        lines.append(f"event: {event}")
-    if data is not None:
-        text = data if isinstance(data, str) else dumps(data)
-        lines += [f"data: {d}" for d in text.splitlines() or [""]]
-    return SEP.join(lines) + SEP + SEP
+    """One SSE frame as text: exactly the bytes ``make_event`` sends."""
+    return make_event(data, event=event, id=id, comment=comment).encode().decode("utf-8")
 
 
 def named_event(event_type: str, payload: Mapping[str, Any] | None = None, *,
                 id: str | int | None = None) -> ServerSentEvent:
     """Anthropic-style frame: ``event: <type>`` and ``data`` whose ``"type"`` is the same name."""
-    body = {"type": event_type, **(payload or {})}
-    return ServerSentEvent(dumps(body), event=event_type,
-                           id=None if id is None else str(id), sep=SEP)
+    return make_event({"type": event_type, **(payload or {})}, event=event_type, id=id)
 
 
 def data_event(payload: Mapping[str, Any] | str) -> ServerSentEvent:
     """OpenAI-style frame: a lone ``data:`` line (JSON object or ``[DONE]``)."""
-    text = payload if isinstance(payload, str) else dumps(payload)
-    return ServerSentEvent(text, sep=SEP)
+    return make_event(payload)
 
 
 def comment_event(text: str = "ping") -> ServerSentEvent:
-    return ServerSentEvent(comment=text, sep=SEP)
+    return make_event(comment=text)
 
 
 class ClosingEventSourceResponse(EventSourceResponse):
