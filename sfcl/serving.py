@@ -130,9 +130,8 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
         torch.set_num_threads(mcfg.threads)
     lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device=mcfg.device, cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, progress)
-    max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
-    snap = None
     engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device)
+    max_len = engine.scheduler.cfg.max_model_len
     extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,
              "default_snapshot_mode": scfg.default_mode}
     ae = AsyncEngine(engine, model_name=lm.name, max_model_len=max_len, tokenizer=lm.tokenizer,

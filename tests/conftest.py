@@ -55,3 +55,23 @@ def nda_library(lm, cache_dir):
         path.parent.mkdir(parents=True, exist_ok=True)
         build_library(lm, docs, path, cfg, progress=False)
     return load_library(path, expect_fingerprint=lm.fingerprint)
+
+
+@pytest.fixture
+def serve():
+    """serve(engine=None, **create_app_kwargs) -> (base_url, engine): the HTTP app over a
+    FakeEngine in a real uvicorn thread (keepalive every 0.1 s); servers stop at teardown."""
+    import contextlib
+
+    from sfcl.server import create_app
+    from sfcl.server.testing import FakeEngine, serve_in_thread
+
+    stack = contextlib.ExitStack()
+
+    def _serve(engine: FakeEngine | None = None, **kwargs):
+        engine = engine or FakeEngine()
+        kwargs.setdefault("ping_interval_s", 0.1)
+        return stack.enter_context(serve_in_thread(create_app(engine, **kwargs))), engine
+
+    with stack:
+        yield _serve

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
@@ -10,25 +9,10 @@ import httpx
 import openai
 import pytest
 
-from sfcl.server import create_app
-from sfcl.server.testing import FakeEngine, parse_sse, serve_in_thread
+from sfcl.server.testing import FakeEngine, parse_sse
 
 MODEL = "fake-model"
 USER = [{"role": "user", "content": "Tell me a story about a fox"}]
-
-
-@pytest.fixture
-def serve():
-    """serve(engine=None, **create_app_kwargs) -> (base_url, engine); servers stop at teardown."""
-    stack = contextlib.ExitStack()
-
-    def _serve(engine: FakeEngine | None = None, **kwargs):
-        engine = engine or FakeEngine()
-        kwargs.setdefault("ping_interval_s", 0.1)
-        return stack.enter_context(serve_in_thread(create_app(engine, **kwargs))), engine
-
-    with stack:
-        yield _serve
 
 
 def client(url: str) -> openai.OpenAI:
