@@ -42,13 +42,22 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap in tokens (default: model's)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it 529/429")
+    p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
+    p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")
+    p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
 
 
 def _configs(a):
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
 
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
-    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=a.max_waiting)
+    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=a.max_waiting,
+                      priority_tags=_csv(a.priority_tags), metric_tags=_csv(a.metric_tags),
+                      price_per_hour=a.price_per_hour)
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())

@@ -30,12 +30,18 @@ class EngineConfig:
     max_num_seqs: int = 16  # largest decode batch (KV slots)
     max_model_len: int | None = None  # None: the model's context window
     max_waiting: int = 256  # bounded waiting queue (full -> 529/429)
+    priority_tags: tuple[str, ...] = ()  # x-sfcl-tag values admitted before untagged requests
+    metric_tags: tuple[str, ...] = ("high-risk",)  # tag label values kept in metrics (others: "other")
+    price_per_hour: float = 0.0  # device price, dollars/hour, for the cost series (0: cost reads 0)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs and max_waiting must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.price_per_hour < 0:
+            raise ValueError("price_per_hour must be >= 0")
+        self.priority_tags, self.metric_tags = tuple(self.priority_tags), tuple(self.metric_tags)
 
 
 @dataclass(slots=True)

@@ -2,10 +2,15 @@
 
 The engine fills a ``StepStats`` per step and emits typed events; the engine thread hands both to
 ``PrometheusStatLogger.log`` — the only place that touches prometheus-client. Names follow the
-Prometheus conventions: ``sfcl_`` prefix, base units (seconds), ``_total`` counters.
+Prometheus conventions: ``sfcl_`` prefix, base units (seconds), ``_total`` counters. Request tags
+become a ``tag`` label from a bounded set (configured tags; anything else is ``other``, no tag is
+``none``) so a client cannot blow up the series count.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -14,50 +19,111 @@ from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent
 # Buckets that resolve both CPU (tens of ms to seconds) and GPU (ms) speeds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+VARIANCE_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)  # seconds^2 (1e-4 s^2 = 100 ms^2)
+N_ANCHOR_BUCKETS = 32  # anchor-id ranges on the heatmap's y axis
 
 
 class PrometheusStatLogger:
-    def __init__(self, snapshots_enabled: bool, registry: CollectorRegistry | None = None):
+    """Turns StepStats + events into series.
+
+    known_tags: tags kept as label values. n_anchors: library size (0 without one), for the
+    anchor-id buckets. hit_threshold: best cosine similarity that counts as an anchor hit.
+    price_per_hour: device price in dollars per hour for the cost series (0 disables them).
+    kv_slots: KV slots of the engine, for the cache-usage ratio.
+    """
+
+    def __init__(self, snapshots_enabled: bool, registry: CollectorRegistry | None = None, *,
+                 known_tags: tuple[str, ...] = ("high-risk",), n_anchors: int = 0, hit_threshold: float = 0.8,
+                 price_per_hour: float = 0.0, kv_slots: int = 1):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("sfcl_requests", "Finished requests by outcome", ["status"], registry=r)
-        self.prompt_tokens = Counter("sfcl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.known_tags = set(known_tags)
+        self.n_anchors, self.hit_threshold = n_anchors, hit_threshold
+        self.price_per_hour, self.kv_slots = price_per_hour, max(1, kv_slots)
+        self.started = time.monotonic()
+        self.n_requests = 0
+        self.n_tokens = 0
+        self.requests = Counter("sfcl_requests", "Finished requests by outcome and tag", ["status", "tag"], registry=r)
+        self.prompt_tokens = Counter("sfcl_prompt_tokens", "Prompt tokens of finished requests", ["tag"], registry=r)
         self.generation_tokens = Counter("sfcl_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("sfcl_num_requests_running", "Requests in the decode batch", registry=r)
         self.waiting = Gauge("sfcl_num_requests_waiting", "Requests waiting for a KV slot", registry=r)
+        self.kv_usage = Gauge("sfcl_kv_cache_usage_ratio", "Share of KV slots in use (0..1)", registry=r)
         self.steps = Counter("sfcl_engine_steps", "Engine steps executed", registry=r)
         self.lookups = Counter("sfcl_snapshot_lookups", "Anchor lookups by the (first) trigger that caused "
                                "them; 'always' for every-token mode without a trigger", ["trigger"], registry=r)
+        self.anchor_lookups = Counter("sfcl_anchor_lookups", "Anchor lookups (snapshots)", registry=r)
+        self.anchor_hits = Counter("sfcl_anchor_hits", "Lookups whose best anchor similarity reached the hit "
+                                   "threshold", registry=r)
+        self.anchor_bucket = Counter("sfcl_snapshots_by_anchor_bucket", "Snapshots by best-anchor id range "
+                                     f"(library split into {N_ANCHOR_BUCKETS} equal ranges)", ["bucket"], registry=r)
         self.lookup_seconds = Histogram("sfcl_snapshot_lookup_seconds", "Batched anchor search time per step",
                                         buckets=LOOKUP_BUCKETS, registry=r)
-        self.ttft = Histogram("sfcl_time_to_first_token_seconds", "Arrival to first generated token",
+        self.ttft = Histogram("sfcl_time_to_first_token_seconds", "Arrival to first generated token", ["tag"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sfcl_inter_token_latency_seconds", "Gap between consecutive generated tokens",
+                             ["tag"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("sfcl_e2e_request_latency_seconds", "Arrival to finish", ["tag"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("sfcl_request_queue_time_seconds", "Arrival to admission into a KV slot", ["tag"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.gap_var = Histogram("sfcl_token_gap_variance_seconds2", "Per-request variance of the gaps between "
+                                 "generated tokens (stream smoothness)", ["tag"], buckets=VARIANCE_BUCKETS, registry=r)
         self.snapshots_enabled = Gauge("sfcl_snapshots_enabled",
                                        "1 when an anchor library is loaded, 0 when snapshots are disabled",
                                        registry=r)
         self.snapshots_enabled.set(1 if snapshots_enabled else 0)
-        self._modes: dict[str, str] = {}
+        self.cost = Gauge("sfcl_cost_per_1k_tokens_dollars", "Device cost per 1,000 generated tokens since start "
+                          "(--price-per-hour x uptime / tokens)", registry=r)
+        self.req_per_hour = Gauge("sfcl_requests_per_device_hour", "Finished requests per hour of uptime", registry=r)
+        self.cost.set_function(self._cost)
+        self.req_per_hour.set_function(lambda: self.n_requests / max(1e-9, self._hours()))
+
+    def _hours(self) -> float:
+        return (time.monotonic() - self.started) / 3600.0
+
+    def _cost(self) -> float:
+        return self.price_per_hour * self._hours() / (self.n_tokens / 1000.0) if self.n_tokens else 0.0
+
+    def tag_label(self, tag: str | None) -> str:
+        return "none" if tag is None else (tag if tag in self.known_tags else "other")
 
     def watch_queue(self, num_running, num_waiting) -> None:
         """Gauges read at scrape time: callables returning the current counts."""
         self.running.set_function(num_running)
         self.waiting.set_function(num_waiting)
+        self.kv_usage.set_function(lambda: num_running() / self.kv_slots)
 
     def log(self, stats, events) -> None:
         """stats: ``sfcl.engine.engine.StepStats``; events: the step's (request_id, event) pairs."""
         self.steps.inc()
         self.generation_tokens.inc(stats.generated)
+        self.n_tokens += stats.generated
         if stats.lookups:
             self.lookup_seconds.observe(stats.lookup_ms / 1e3)
         for _, ev in events:
             if isinstance(ev, SnapshotEvent):
                 self.lookups.labels(trigger=ev.trigger).inc()
+                self.anchor_lookups.inc()
+                if ev.top and ev.top[0].score >= self.hit_threshold:
+                    self.anchor_hits.inc()
+                if self.n_anchors:
+                    b = min(N_ANCHOR_BUCKETS - 1, ev.anchor_id * N_ANCHOR_BUCKETS // self.n_anchors)
+                    self.anchor_bucket.labels(bucket=str(b)).inc()
             elif isinstance(ev, Finished):
-                self.requests.labels(status=ev.stop_reason).inc()
-                self.prompt_tokens.inc(ev.prompt_tokens)
+                tag = self.tag_label(ev.tag)
+                self.n_requests += 1
+                self.requests.labels(status=ev.stop_reason, tag=tag).inc()
+                self.prompt_tokens.labels(tag=tag).inc(ev.prompt_tokens)
+                self.queue.labels(tag=tag).observe(ev.queue_ms / 1e3)
+                self.e2e.labels(tag=tag).observe(ev.e2e_ms / 1e3)
                 if ev.completion_tokens:
-                    self.ttft.observe(ev.ttft_ms / 1e3)
+                    self.ttft.labels(tag=tag).observe(ev.ttft_ms / 1e3)
+                for g in ev.token_gaps_ms:
+                    self.itl.labels(tag=tag).observe(g / 1e3)
+                if len(ev.token_gaps_ms) >= 2:
+                    self.gap_var.labels(tag=tag).observe(statistics.pvariance(ev.token_gaps_ms) / 1e6)
             elif isinstance(ev, ErrorEvent):
-                self.requests.labels(status="error").inc()
+                self.requests.labels(status="error", tag="none").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -113,7 +113,7 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device)
     runner = ModelRunner(lm.model, kv, layer, snap, device)
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
-                                      max_waiting=ecfg.max_waiting))
+                                      max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags))
     return LLMEngine(sched, runner, lm.tokenizer, lm.eos_token_ids, lib)
 
 
@@ -134,6 +134,9 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
     max_len = engine.scheduler.cfg.max_model_len
     extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,
              "default_snapshot_mode": scfg.default_mode}
+    metrics = {"known_tags": tuple(ecfg.metric_tags) + tuple(ecfg.priority_tags),
+               "n_anchors": lib.n_anchors if lib else 0, "price_per_hour": ecfg.price_per_hour,
+               "kv_slots": ecfg.max_num_seqs}
     ae = AsyncEngine(engine, model_name=lm.name, max_model_len=max_len, tokenizer=lm.tokenizer,
-                     extra_health=extra, num_threads=mcfg.threads)
+                     extra_health=extra, num_threads=mcfg.threads, metrics_kwargs=metrics)
     return Built(engine=ae, lm=lm, library=lib)

@@ -224,22 +224,27 @@ def test_short_soak_with_random_disconnects(server):
 
 
 def test_metrics_endpoint_counts_real_traffic(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def value(body, name, **labels):
+        return sum(smp.value for fam in text_string_to_metric_families(body) for smp in fam.samples
+                   if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
     url, _ = server
     before = httpx.get(url + "/metrics").text
-    r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": "always"}, timeout=120, json={
-        "model": "smollm2-135m-instruct", "max_tokens": 5, "temperature": 0,
-        "messages": [{"role": "user", "content": "Say hi."}]})
+    r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": "always", "x-sfcl-tag": "high-risk"},
+                   timeout=120, json={"model": "smollm2-135m-instruct", "max_tokens": 5, "temperature": 0,
+                                      "messages": [{"role": "user", "content": "Say hi."}]})
     assert r.status_code == 200
     text = httpx.get(url + "/metrics").text
-
-    def value(body, name):
-        return sum(float(line.split()[-1]) for line in body.splitlines()
-                   if line.startswith(name) and not line.startswith("#"))
-
     n = r.json()["usage"]["output_tokens"]
+    hr = {"status": "max_tokens", "tag": "high-risk"}
+    assert value(text, "sfcl_requests_total", **hr) - value(before, "sfcl_requests_total", **hr) == 1
+    assert value(text, "sfcl_inter_token_latency_seconds_count", tag="high-risk") >= n - 1
     assert value(text, "sfcl_generation_tokens_total") - value(before, "sfcl_generation_tokens_total") >= n
     assert value(text, "sfcl_snapshot_lookups_total") - value(before, "sfcl_snapshot_lookups_total") == n
-    assert "sfcl_snapshots_enabled 1.0" in text and "sfcl_num_requests_running" in text
+    assert value(text, "sfcl_anchor_lookups_total") - value(before, "sfcl_anchor_lookups_total") == n
+    assert value(text, "sfcl_snapshots_enabled") == 1 and "sfcl_num_requests_running" in text
 
 
 def test_missing_library_fails_clearly_or_starts_without_snapshots(cache_dir, tmp_path):

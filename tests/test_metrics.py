@@ -21,17 +21,31 @@ def snap(trigger):
 
 
 def test_step_records_become_series():
-    m = PrometheusStatLogger(snapshots_enabled=False)
+    m = PrometheusStatLogger(snapshots_enabled=False, known_tags=("high-risk",), n_anchors=64, kv_slots=4,
+                             price_per_hour=3.6)
     m.watch_queue(lambda: 3, lambda: 7)
-    fin = Finished("max_tokens", None, prompt_tokens=11, completion_tokens=4, snapshot_summary={}, ttft_ms=250.0)
+    fin = Finished("max_tokens", None, prompt_tokens=11, completion_tokens=4, snapshot_summary={}, ttft_ms=250.0,
+                   queue_ms=40.0, e2e_ms=900.0, token_gaps_ms=[100.0, 300.0, 200.0], tag="high-risk")
+    other = Finished("end_turn", None, prompt_tokens=5, completion_tokens=1, snapshot_summary={}, tag="weird-tag")
     m.log(StepStats(generated=2, lookups=1, lookup_ms=2.0), [("a", snap("entity_low_confidence")), ("b", snap("always"))])
-    m.log(StepStats(generated=1), [("a", fin), ("c", ErrorEvent("x"))])
+    m.log(StepStats(generated=1), [("a", fin), ("c", ErrorEvent("x")), ("d", other)])
     t = m.render().decode()
     assert value(t, "sfcl_generation_tokens_total") == 3 and value(t, "sfcl_engine_steps_total") == 2
     assert 'sfcl_snapshot_lookups_total{trigger="entity_low_confidence"} 1.0' in t
     assert 'sfcl_snapshot_lookups_total{trigger="always"} 1.0' in t
-    assert 'sfcl_requests_total{status="max_tokens"} 1.0' in t and 'sfcl_requests_total{status="error"} 1.0' in t
-    assert value(t, "sfcl_prompt_tokens_total") == 11 and value(t, "sfcl_time_to_first_token_seconds_count") == 1
+    assert 'sfcl_requests_total{status="max_tokens",tag="high-risk"} 1.0' in t
+    assert 'sfcl_requests_total{status="end_turn",tag="other"} 1.0' in t  # unknown tags are bounded
+    assert 'sfcl_requests_total{status="error",tag="none"} 1.0' in t
+    assert value(t, "sfcl_prompt_tokens_total") == 16 and value(t, "sfcl_time_to_first_token_seconds_count") == 2
+    assert 'sfcl_inter_token_latency_seconds_count{tag="high-risk"} 3.0' in t
+    assert 'sfcl_inter_token_latency_seconds_sum{tag="high-risk"} 0.6' in t
+    # population variance of 100/300/200 ms = 6666.7 ms^2 = 0.0066667 s^2
+    assert abs(value(t, 'sfcl_token_gap_variance_seconds2_sum{tag="high-risk"}') - 0.0066667) < 1e-6
+    assert 'sfcl_request_queue_time_seconds_sum{tag="high-risk"} 0.04' in t
+    assert 'sfcl_e2e_request_latency_seconds_sum{tag="high-risk"} 0.9' in t
+    assert value(t, "sfcl_anchor_lookups_total") == 2 and value(t, "sfcl_anchor_hits_total") == 2  # score 0.9
+    assert 'sfcl_snapshots_by_anchor_bucket_total{bucket="0"} 2.0' in t  # anchor 1 of 64 -> bucket 0
+    assert "sfcl_kv_cache_usage_ratio 0.75" in t and value(t, "sfcl_cost_per_1k_tokens_dollars") > 0
     assert value(t, "sfcl_snapshot_lookup_seconds_sum") == 0.002
     assert "sfcl_num_requests_running 3.0" in t and "sfcl_num_requests_waiting 7.0" in t
     assert "sfcl_snapshots_enabled 0.0" in t

@@ -88,3 +88,17 @@ def test_abort_waiting_and_running():
     assert not s.abort("nope")
     assert not s.has_work()
 
+
+
+def test_priority_tags_jump_the_queue_fcfs_among_themselves():
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, priority_tags=("high-risk",)))
+    tags = [None, "high-risk", None, "high-risk", "other"]
+    for i, t in enumerate(tags):
+        s.add(Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=2, tag=t)))
+    assert [q.request_id for q in s.waiting] == ["r1", "r3", "r0", "r2", "r4"]
+
+
+def test_tag_validation():
+    with pytest.raises(ValueError, match="tag"):
+        SamplingParams(tag="bad tag with spaces")
+    assert SamplingParams(tag="high-risk").tag == "high-risk"

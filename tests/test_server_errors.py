@@ -361,3 +361,16 @@ def test_api_key(serve):
             pytest.raises(openai.AuthenticationError):
         c.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_request_tag_header_reaches_the_engine_and_bad_tags_are_400(serve):
+    base, eng = serve()
+    r = post(base, "/v1/messages", a_body(), headers={"x-sfcl-tag": "high-risk"})
+    assert r.status_code == 200
+    r = post(base, "/v1/chat/completions", o_body(), headers={"x-sfcl-tag": "high-risk"})
+    assert r.status_code == 200
+    assert [q.params.tag for q in eng.requests] == ["high-risk", "high-risk"]
+    r = post(base, "/v1/messages", a_body(), headers={"x-sfcl-tag": "no spaces allowed"})
+    assert "x-sfcl-tag" in anthropic_error(r, 400, "invalid_request_error")
+    r = post(base, "/v1/chat/completions", o_body(), headers={"x-sfcl-tag": "x" * 65})
+    assert openai_error(r, 400, "x-sfcl-tag")

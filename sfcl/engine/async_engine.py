@@ -149,7 +149,8 @@ class AsyncEngine:
     """EngineClient over an EngineThread (see ``sfcl.engine.protocol``)."""
 
     def __init__(self, engine: LLMEngine, *, model_name: str, max_model_len: int, tokenizer,
-                 extra_health: dict | None = None, num_threads: int | None = None):
+                 extra_health: dict | None = None, num_threads: int | None = None,
+                 metrics_kwargs: dict | None = None):
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -158,7 +159,7 @@ class AsyncEngine:
         self._extra_health = extra_health or {}
         from sfcl.metrics import PrometheusStatLogger
 
-        self.metrics = PrometheusStatLogger(self.snapshots_available)
+        self.metrics = PrometheusStatLogger(self.snapshots_available, **(metrics_kwargs or {}))
         sched = engine.scheduler
         self.metrics.watch_queue(lambda: sched.num_running, lambda: sched.num_waiting)
         self.thread = EngineThread(engine, num_threads, self.metrics)

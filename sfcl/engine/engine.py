@@ -117,6 +117,9 @@ class LLMEngine:
         seq.output_ids.append(res.token_id)
         if seq.first_token_s is None:
             seq.first_token_s = now
+        else:
+            seq.token_gaps_s.append(now - seq.last_token_s)
+        seq.last_token_s = now
         idx = len(seq.output_ids) - 1
         if res.snapshot is not None:
             ev.append((rid, self._snapshot_event(st, res, idx)))
@@ -166,9 +169,13 @@ class LLMEngine:
                 for a, c in st.anchor_counts.most_common(5)
             ],
         }
-        ttft = ((seq.first_token_s or time.monotonic()) - seq.arrival_s) * 1e3
+        now = time.monotonic()
+        ttft = ((seq.first_token_s or now) - seq.arrival_s) * 1e3
         ev.append((rid, Finished(stop_reason=reason, stop_sequence=stop_seq, prompt_tokens=len(seq.prompt_ids),
-                                 completion_tokens=n_out, snapshot_summary=summary, ttft_ms=ttft)))
+                                 completion_tokens=n_out, snapshot_summary=summary, ttft_ms=ttft,
+                                 queue_ms=((seq.scheduled_s or now) - seq.arrival_s) * 1e3,
+                                 e2e_ms=(now - seq.arrival_s) * 1e3,
+                                 token_gaps_ms=[g * 1e3 for g in seq.token_gaps_s], tag=seq.params.tag)))
         self._drop(rid)
         return ev
 

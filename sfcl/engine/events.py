@@ -64,6 +64,10 @@ class Finished:
     completion_tokens: int
     snapshot_summary: dict  # {"mode", "lookups", "triggers": {name: count}, "top_anchors": [...]}
     ttft_ms: float = 0.0  # time from arrival to first generated token
+    queue_ms: float = 0.0  # arrival -> admitted to a KV slot
+    e2e_ms: float = 0.0  # arrival -> finished
+    token_gaps_ms: list[float] = field(default_factory=list)  # engine-side gaps between output tokens
+    tag: str | None = None
 
 
 @dataclass(slots=True)

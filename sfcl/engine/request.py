@@ -5,7 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import re
+
 from sfcl.engine.events import SNAPSHOT_MODES
+
+TAG_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 @dataclass(slots=True)
@@ -24,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     snapshot_mode: str = "triggered"  # off | triggered | always
     steer: bool = False  # reserved: anchor-guided steering (issue 4); observe-only when False
+    tag: str | None = None  # business tag (header x-sfcl-tag, e.g. "high-risk"): metrics label, priority
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -36,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"snapshot mode must be one of {', '.join(SNAPSHOT_MODES)}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop sequences must be non-empty strings")
+        if self.tag is not None and not TAG_RE.fullmatch(self.tag):
+            raise ValueError("tag must be 1-64 characters of letters, digits, '_', '-', '.', ':'")
 
 
 class RequestStatus(enum.Enum):

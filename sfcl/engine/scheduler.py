@@ -3,6 +3,8 @@ lives. Pure Python (no torch): ints, lists and ``Sequence`` records, unit-tested
 
 Policy (issue #2 baseline, extended by the throughput work):
 - FCFS waiting queue, bounded (``max_waiting``); the engine refuses new work when it is full.
+  Requests tagged with one of ``priority_tags`` (e.g. ``high-risk``) jump ahead of untagged
+  ones, FCFS among themselves, so their latency SLO can be held separately under load.
 - KV slots: running sequences occupy cache slots [0, n_running). When a sequence leaves, the
   highest slot moves into the hole (a ``KVMove`` the runner performs before the forward), so the
   decode batch always attends to contiguous views, never a gather.
@@ -35,6 +37,9 @@ class Sequence:
     slot: int = -1  # KV cache slot while RUNNING, else -1
     finish_reason: str | None = None  # "end_turn" | "max_tokens" | "stop_sequence" | "aborted"
     first_token_s: float | None = None
+    scheduled_s: float | None = None  # when it left the waiting queue (queue time = this - arrival)
+    last_token_s: float | None = None
+    token_gaps_s: list[float] = field(default_factory=list)  # gaps between consecutive output tokens
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +78,7 @@ class SchedulerConfig:
     max_waiting: int = 256  # bounded waiting queue
     max_prefill_seqs: int = 1  # new sequences admitted per step
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one long prompt always fits)
+    priority_tags: tuple[str, ...] = ()  # requests with these tags are admitted before all others
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_seqs", "max_prefill_tokens"):
@@ -106,7 +112,14 @@ class Scheduler:
                 f"the context window of {self.cfg.max_model_len} tokens"
             )
         seq.status = RequestStatus.WAITING
-        self.waiting.append(seq)
+        if seq.params.tag is not None and seq.params.tag in self.cfg.priority_tags:
+            # ahead of every non-priority request, behind earlier priority ones (FCFS among them)
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].params.tag in self.cfg.priority_tags:
+                i += 1
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
         """Remove a request wherever it is; its slot is reclaimed at the next schedule()."""
@@ -136,6 +149,7 @@ class Scheduler:
             budget -= len(seq.prompt_ids)
             seq.slot = len(self.running)
             seq.status = RequestStatus.RUNNING
+            seq.scheduled_s = time.monotonic()
             self.running.append(seq)
             prefill.append(seq)
         removed, self._removed = self._removed, []

@@ -28,7 +28,7 @@ from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, Tex
 from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
-                                new_id, parse_model, read_json, resolve_snapshot_mode,
+                                new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
                                 snapshot_dict, start_generation)
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable, log
 from sfcl.server.sse import named_event, sse_response
@@ -226,12 +226,13 @@ async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Respo
     if any(s == "" for s in req.stop_sequences or []):
         raise ApiError(400, "stop_sequences: stop sequences must be non-empty strings",
                        param="stop_sequences")
+    rlog.tag = resolve_tag(request)
     params = make_params(
         max_tokens=req.max_tokens,
         temperature=request.app.state.default_temperature if req.temperature is None
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, steer=req.steer)
+        stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, steer=req.steer, tag=rlog.tag)
     prompt_ids = await encode_prompt(engine, messages, system)
     check_context(engine, len(prompt_ids), req.max_tokens)
     rlog.prompt_tokens = len(prompt_ids)

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 from sfcl.engine.events import (SNAPSHOT_MODES, ErrorEvent, Finished, SnapshotEvent, Started,
                                TextDelta)
 from sfcl.engine.protocol import EngineBusyError, EngineClient
-from sfcl.engine.request import SamplingParams
+from sfcl.engine.request import TAG_RE, SamplingParams
 from sfcl.server.errors import (ANTHROPIC_STATUS, ApiError, dumps, jsonable,
                                validation_api_error)
 
@@ -40,6 +40,7 @@ log = logging.getLogger("sfcl.server")
 request_log = logging.getLogger("sfcl.requests")
 
 SNAPSHOT_HEADER = "x-sfcl-snapshot"
+TAG_HEADER = "x-sfcl-tag"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 KEEPALIVE = object()  # returned by EngineEvents.next when the engine was silent for `timeout`
 
@@ -219,6 +220,18 @@ def check_model(engine: EngineClient, model: str, openai: bool) -> None:
                    param="model")
 
 
+def resolve_tag(request: Request) -> str | None:
+    """Header ``x-sfcl-tag`` (e.g. ``high-risk``): metrics label and scheduling priority."""
+    tag = request.headers.get(TAG_HEADER)
+    if tag is None:
+        return None
+    tag = tag.strip()
+    if not TAG_RE.fullmatch(tag):
+        raise ApiError(400, f"{TAG_HEADER}: must be 1-64 characters of letters, digits, '_', '-', '.', ':'",
+                       param=TAG_HEADER)
+    return tag
+
+
 def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
     """Header ``x-sfcl-snapshot`` > body ``snapshot_mode`` > ``app.state.default_snapshot_mode``."""
     engine: EngineClient = request.app.state.engine
@@ -364,6 +377,7 @@ class RequestLog:
     snapshots: int = 0
     stop_reason: str | None = None
     error: str | None = None
+    tag: str | None = None
     start: float = field(default_factory=time.perf_counter)
     _first_token_at: float | None = None
     _written: bool = False
@@ -381,7 +395,7 @@ class RequestLog:
         if not ttft and self._first_token_at is not None:
             ttft = (self._first_token_at - self.start) * 1000.0
         record = {
-            "id": self.id, "route": self.route, "status": self.status, "stream": self.stream,
+            "id": self.id, "route": self.route, "tag": self.tag, "status": self.status, "stream": self.stream,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "ttft_ms": None if ttft is None else round(ttft, 2), "snapshots": self.snapshots,
             "stop_reason": self.stop_reason, "duration_ms": round((now - self.start) * 1000.0, 2),

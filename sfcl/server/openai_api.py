@@ -26,7 +26,7 @@ from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, Tex
 from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
-                                new_id, parse_model, read_json, resolve_snapshot_mode,
+                                new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
                                 snapshot_dict, start_generation)
 from sfcl.server.errors import (ANTHROPIC_STATUS, ApiError, jsonable, log, openai_error_body,
                                 openai_type_for)
@@ -216,12 +216,13 @@ async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
         raise ApiError(400, "stop: stop sequences must be non-empty strings", param="stop")
     prompt_ids = await encode_prompt(engine, messages, None)
     max_tokens = resolve_max_tokens(engine, req, len(prompt_ids))
+    rlog.tag = resolve_tag(request)
     params = make_params(
         max_tokens=max_tokens,
         temperature=request.app.state.default_temperature if req.temperature is None
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        stop=stop, seed=req.seed, snapshot_mode=mode, steer=req.steer)
+        stop=stop, seed=req.seed, snapshot_mode=mode, steer=req.steer, tag=rlog.tag)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {"x-request-id": rid}
