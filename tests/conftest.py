@@ -7,6 +7,10 @@ Converted weights and built libraries are cached under ``$SFCL_TEST_CACHE`` (def
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,50 @@ def serve():
 
     with stack:
         yield _serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(nda_library, cache_dir, tmp_path_factory):
+    """`sfcl serve` as a subprocess on the real model with the NDA anchors; yields (url, process)."""
+    import httpx
+
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Logs go to files: an unread pipe fills up after a few hundred JSON request lines and then
+    # blocks the server's event loop on its next log write.
+    logs = tmp_path_factory.mktemp("server-logs")
+    out, err = open(logs / "stdout.jsonl", "w"), open(logs / "stderr.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
+         "--cache-dir", str(cache_dir), "--max-num-seqs", "4", "--threads", "2"],
+        cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err.seek(0)
+            raise RuntimeError("server exited early:\n" + err.read())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    yield url, proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    out.close()
+    err.close()
+
+

@@ -4,8 +4,6 @@ NDAs, queried with the official anthropic and openai SDKs and with raw SSE."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,51 +11,9 @@ import time
 import httpx
 import pytest
 
-from conftest import REPO, contractnli_docs
+from conftest import REPO, contractnli_docs, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(nda_library, cache_dir, tmp_path_factory):
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Logs go to files: an unread pipe fills up after a few hundred JSON request lines and then
-    # blocks the server's event loop on its next log write.
-    logs = tmp_path_factory.mktemp("server-logs")
-    out, err = open(logs / "stdout.jsonl", "w"), open(logs / "stderr.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sfcl.cli", "serve", "--anchors", str(nda_library.path), "--port", str(port),
-         "--cache-dir", str(cache_dir), "--max-num-seqs", "4", "--threads", "2"],
-        cwd=REPO, env=env, stdout=out, stderr=err, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err.seek(0)
-            raise RuntimeError("server exited early:\n" + err.read())
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become healthy")
-    yield url, proc
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    out.close()
-    err.close()
 
 
 @pytest.fixture(scope="module")
