@@ -69,7 +69,6 @@ class _Collected:
     span_end: np.ndarray  # (n,) int32
     surprisal: np.ndarray  # (m,) float64, calibration positions only
     d3: np.ndarray  # (m,) float64
-    entity_probs: np.ndarray  # probability of actual next tokens (all calibration positions)
 
 
 @torch.inference_mode()
@@ -88,7 +87,7 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     if not windows:
         raise ValueError("the corpus has no text to build anchors from")
     H, K = [], []
-    KP, DOC, SS, SE, SUR, D3, EP = [], [], [], [], [], [], []
+    KP, DOC, SS, SE, SUR, D3 = [], [], [], [], [], []
     total = 0
     for di, w_ids, w_offs in tqdm(windows, desc="anchors: model pass", unit="win", disable=not progress):
         T = len(w_ids)
@@ -112,13 +111,12 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
         SE.append(np.asarray([w_offs[i + 1][1] for i in range(T - 1)], np.int32))
         SUR.append(sur[SKIP_POSITIONS:].double().cpu().numpy())
         D3.append(d3[SKIP_POSITIONS:].double().cpu().numpy())  # d3[j] averages disp[j..j+2]
-        EP.append(sur[SKIP_POSITIONS:].neg().exp().double().cpu().numpy())
         total += T - 1
         if cfg.max_points and total >= cfg.max_points:
             break
     return _Collected(hidden=torch.cat(H), next_ids=torch.cat(K), next_probs=torch.cat(KP),
                       doc=np.concatenate(DOC), span_start=np.concatenate(SS), span_end=np.concatenate(SE),
-                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3), entity_probs=np.concatenate(EP))
+                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3))
 
 
 def cluster(x: torch.Tensor, k: int, seed: int, iters: int, progress: bool = True) -> tuple[np.ndarray, torch.Tensor]:
@@ -232,7 +230,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         "n_positions": int(col.surprisal.shape[0]),
         "share_surprisal_z2": float((np.abs(col.surprisal - col.surprisal.mean()) > 2 * col.surprisal.std()).mean()),
         "share_dispersion_z1.2": float(((col.d3 - col.d3.mean()) > 1.2 * col.d3.std()).mean()),
-        "share_next_prob_below_0.85": float((col.entity_probs < 0.85).mean()),
+        "share_next_prob_below_0.85": float((np.exp(-col.surprisal) < 0.85).mean()),
     }
     path = save_library(
         out_dir, vectors=cent[idx], counts=counts[idx], weights=torch.ones(len(idx)),

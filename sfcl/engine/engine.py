@@ -77,8 +77,6 @@ class LLMEngine:
         """End every request now with a proper ``Finished`` (graceful shutdown past its deadline)."""
         events: list[tuple[str, EngineEvent]] = []
         for st in list(self.requests.values()):
-            if st.seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(st.seq)
             events.extend(self._finish(st, reason, None))
         return events
 
@@ -154,10 +152,7 @@ class LLMEngine:
         tail = st.detok.flush()
         if tail:
             ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
-        if seq.slot >= 0:
-            self.scheduler.finish(seq, reason)
-        else:  # never admitted (finish_all on a waiting request)
-            self.scheduler._finish(seq, reason)
+        self.scheduler.finish(seq, reason)
         n_out = len(seq.output_ids)
         summary = {
             "mode": seq.params.snapshot_mode,

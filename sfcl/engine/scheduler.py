@@ -123,12 +123,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Remove a request wherever it is; its slot is reclaimed at the next schedule()."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._finish(seq, "aborted")
-                return True
-        for seq in self.running:
+        for seq in [*self.waiting, *self.running]:
             if seq is not None and seq.request_id == request_id:
                 self.finish(seq, "aborted")
                 return True
@@ -156,13 +151,13 @@ class Scheduler:
         return SchedulerOutput(moves=moves, prefill=prefill, decode=decode, finished=removed)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark a running sequence finished (called by the engine's update or by abort)."""
-        if seq.status is RequestStatus.RUNNING and 0 <= seq.slot < len(self.running) and self.running[seq.slot] is seq:
+        """Mark a sequence finished, waiting or running (engine update, abort, shutdown); a running
+        sequence leaves a slot hole that the next schedule() compacts."""
+        if seq.status is RequestStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is RequestStatus.RUNNING and 0 <= seq.slot < len(self.running) and self.running[seq.slot] is seq:
             self.running[seq.slot] = None  # type: ignore[call-overload]  # a hole until compaction
             self._holes.append(seq.slot)
-        self._finish(seq, reason)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         seq.slot = -1

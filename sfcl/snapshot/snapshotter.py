@@ -65,6 +65,7 @@ class Snapshotter:
         self.cal = Calibration.from_dict(library.calibration)
         self.index = AnchorIndex(library, dtype=search_dtype)
         self.class_table = class_table  # (V,) uint8, on the model's device
+        self.enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=class_table.device)  # (3,)
         self.top_k = top_k
         self.weights = library.weights.float()
         self.decay = library.decay.float()
@@ -97,8 +98,7 @@ class Snapshotter:
             dispersion_trigger(d3, self.cal, self.cfg.dispersion_z) & full,
             surprisal_trigger(-token_logp, self.cal, self.cfg.surprisal_z),
         ], dim=1)  # (B, 3)
-        enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=fired.device)
-        return fired & enabled
+        return fired & self.enabled
 
     def lookup(self, hidden: torch.Tensor) -> tuple[list[list[float]], list[list[int]], list[float], float]:
         """Top-k anchors for each row of hidden (n, H). Returns (scores, ids, confidences, ms)."""
