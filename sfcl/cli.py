@@ -42,6 +42,14 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap in tokens (default: model's)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it 529/429")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per engine step (decode rows + one prompt chunk): smaller = steadier streams "
+                        "while long prompts prefill, larger = faster prefill")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache storage: auto = model dtype; int8 = block-wise INT8 (0.54x memory, KIVI-style)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=32768,
+                   help="prefix KV cache capacity in tokens (0 disables prefix caching)")
     p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
     p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")
     p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")
@@ -57,7 +65,9 @@ def _configs(a):
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
     ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=a.max_waiting,
                       priority_tags=_csv(a.priority_tags), metric_tags=_csv(a.metric_tags),
-                      price_per_hour=a.price_per_hour)
+                      price_per_hour=a.price_per_hour, max_num_batched_tokens=a.max_num_batched_tokens,
+                      kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+                      prefix_cache_tokens=a.prefix_cache_tokens)
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())

@@ -33,10 +33,21 @@ class EngineConfig:
     priority_tags: tuple[str, ...] = ()  # x-sfcl-tag values admitted before untagged requests
     metric_tags: tuple[str, ...] = ("high-risk",)  # tag label values kept in metrics (others: "other")
     price_per_hour: float = 0.0  # device price, dollars/hour, for the cost series (0: cost reads 0)
+    max_num_batched_tokens: int = 512  # tokens per engine step (decode rows + prompt chunk): chunked prefill
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8 (block-wise, KIVI-style)
+    block_size: int = 16  # KV block size in tokens (prefix cache, INT8 key scales)
+    prefix_cache_tokens: int = 32768  # prefix-cache pool capacity in tokens (0: off)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs and max_waiting must be >= 1")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError("kv_cache_dtype must be auto or int8")
+        if self.block_size < 1 or self.prefix_cache_tokens < 0:
+            raise ValueError("block_size must be >= 1 and prefix_cache_tokens >= 0")
+        if self.max_num_batched_tokens < self.block_size + self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be >= block_size + max_num_seqs "
+                             f"({self.block_size + self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.price_per_hour < 0:

@@ -110,10 +110,14 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
     max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
     dtype = next(lm.model.parameters()).dtype
-    kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device)
+    pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
+    kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
+                 block_size=ecfg.block_size, pool_blocks=pool_blocks)
     runner = ModelRunner(lm.model, kv, layer, snap, device)
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
-                                      max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags))
+                                      max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags,
+                                      max_num_batched_tokens=ecfg.max_num_batched_tokens,
+                                      block_size=ecfg.block_size, prefix_cache_blocks=pool_blocks))
     return LLMEngine(sched, runner, lm.tokenizer, lm.eos_token_ids, lib)
 
 

@@ -1,4 +1,4 @@
-"""Scheduler and slot compaction: pure Python, no model."""
+"""Scheduler: admission, chunked prefill, slot layout, prefix-cache planning. Pure Python, no model."""
 
 import pytest
 
@@ -6,45 +6,72 @@ from sfcl.engine.request import RequestStatus, SamplingParams
 from sfcl.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, Sequence
 
 
-def make_requests(n, prompt_len=4, max_tokens=8):
-    return [Sequence(request_id=f"r{i}", prompt_ids=list(range(1, prompt_len + 1)),
+def make_requests(n, prompt_len=4, max_tokens=8, base=1):
+    return [Sequence(request_id=f"r{i}", prompt_ids=list(range(base, base + prompt_len)),
                      params=SamplingParams(max_tokens=max_tokens)) for i in range(n)]
 
 
-def test_fcfs_admission_one_prefill_per_step_then_batched_decode():
-    s = Scheduler(SchedulerConfig(max_num_seqs=4))
+def run_step(s, token=7):
+    """schedule + pretend the runner ran: every sampled sequence gets one token."""
+    out = s.schedule()
+    s.step_done()
+    for q in out.sampled:
+        q.output_ids.append(token)
+    return out
+
+
+def test_short_prompts_are_admitted_together_and_sampled_on_their_last_chunk():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2))
     for r in make_requests(3):
         s.add(r)
-    out = s.schedule()
-    assert [q.request_id for q in out.prefill] == ["r0"] and out.decode == []
-    assert out.prefill[0].slot == 0 and out.prefill[0].status is RequestStatus.RUNNING
-    out = s.schedule()
-    assert [q.request_id for q in out.prefill] == ["r1"] and [q.request_id for q in out.decode] == ["r0"]
-    out = s.schedule()
-    assert [q.slot for q in out.decode] == [0, 1] and out.prefill[0].slot == 2
+    out = run_step(s)
+    assert [(c.seq.request_id, c.start, c.end, c.is_last) for c in out.prefill] == [("r0", 0, 4, True), ("r1", 0, 4, True)]
+    assert [q.slot for q in out.sampled] == [0, 1] and out.decode == []
+    assert out.sampled[0].status is RequestStatus.RUNNING and s.num_waiting == 1
+    out = run_step(s)
+    assert [q.request_id for q in out.decode] == ["r0", "r1"] and [c.seq.request_id for c in out.prefill] == ["r2"]
+    assert out.prefill[0].seq.slot == 2
 
 
 def test_max_num_seqs_caps_running():
     s = Scheduler(SchedulerConfig(max_num_seqs=2, max_prefill_seqs=4))
     for r in make_requests(3):
         s.add(r)
-    out = s.schedule()
+    out = run_step(s)
     assert len(out.prefill) == 2 and s.num_waiting == 1
-    out = s.schedule()
+    out = run_step(s)
     assert out.prefill == [] and len(out.decode) == 2
 
 
-def test_finish_compacts_slots_with_a_kv_move():
+def test_long_prompt_is_chunked_on_block_boundaries_within_the_token_budget():
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40, block_size=16)
+    s = Scheduler(cfg)
+    short, = make_requests(1)
+    s.add(short)
+    run_step(s)
+    long_ = Sequence("long", list(range(100, 200)), SamplingParams(max_tokens=4))  # 100 prompt tokens
+    s.add(long_)
+    spans = []
+    while not long_.output_ids:
+        out = run_step(s)
+        assert [q.request_id for q in out.decode] == ["r0"]  # the running stream decodes every step
+        assert sum(c.end - c.start for c in out.prefill) + len(out.decode) <= cfg.max_num_batched_tokens
+        spans += [(c.start, c.end, c.is_last) for c in out.prefill]
+    # budget 40 - 1 decode row = 39 -> 32-token (2-block) chunks until the rest (36) fits whole
+    assert spans == [(0, 32, False), (32, 64, False), (64, 100, True)]
+    out = run_step(s)
+    assert [q.request_id for q in out.decode] == ["r0", "long"] and [q.slot for q in out.decode] == [0, 1]
+
+
+def test_finish_compacts_decode_slots_with_a_kv_move():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=4))
     reqs = make_requests(4)
     for r in reqs:
         s.add(r)
-    s.schedule()
-    for r in reqs:
-        r.output_ids.append(7)
+    run_step(s)
     s.finish(reqs[1], "end_turn")
     out = s.schedule()
-    assert [(m.src, m.dst, m.length) for m in out.moves] == [(3, 1, 5)]
+    assert [(m.src, m.dst, m.length) for m in out.moves] == [(3, 1, 4)]  # 4 prompt tokens have KV
     assert [q.request_id for q in out.decode] == ["r0", "r3", "r2"]
     assert [q.slot for q in out.decode] == [0, 1, 2]
     assert reqs[1].status is RequestStatus.FINISHED and reqs[1].slot == -1
@@ -55,12 +82,91 @@ def test_finishing_the_last_slot_needs_no_move():
     reqs = make_requests(3)
     for r in reqs:
         s.add(r)
-    s.schedule()
+    run_step(s)
     s.finish(reqs[2], "max_tokens")
     s.finish(reqs[0], "max_tokens")
     out = s.schedule()
     assert [(m.src, m.dst) for m in out.moves] == [(1, 0)]
     assert [q.request_id for q in out.decode] == ["r1"] and reqs[1].slot == 0
+
+
+def test_a_prefilling_sequence_in_the_decode_region_is_swapped_out_via_the_scratch_row():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=20, block_size=16, max_prefill_seqs=2))
+    y = Sequence("y", list(range(40)), SamplingParams(max_tokens=2))  # long: slot 0, chunk 0..16
+    x = Sequence("x", [1, 2], SamplingParams(max_tokens=9))  # short: slot 1, completes in the same step
+    s.add(y)
+    s.add(x)
+    out = run_step(s)
+    assert (y.slot, x.slot) == (0, 1) and [(c.seq.request_id, c.start, c.end) for c in out.prefill] == [
+        ("y", 0, 16), ("x", 0, 2)]
+    out = s.schedule()  # x decodes and must sit in slot 0, where y's 16 computed positions live
+    assert [(m.src, m.dst, m.length) for m in out.moves] == [(0, 2, 16), (1, 0, 2), (2, 1, 16)]
+    assert (x.slot, y.slot) == (0, 1) and out.decode == [x] and out.prefill[0].seq is y
+
+
+def test_prefix_cache_restores_the_shared_prompt_blocks_and_counts_hits():
+    cfg = SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=8, max_num_batched_tokens=64)
+    s = Scheduler(cfg)
+    doc = list(range(100, 113))  # 13 tokens: (13-1)//4 = 3 full blocks may be cached
+    a = Sequence("a", doc, SamplingParams(max_tokens=2))
+    s.add(a)
+    out = run_step(s)
+    assert out.restores == [] and out.prefix_queries == 13 and out.prefix_hits == 0
+    assert [(w.slot, w.first_block, len(w.pool_blocks)) for w in out.saves] == [(0, 0, 3)]
+    b = Sequence("b", doc + [1, 2, 3], SamplingParams(max_tokens=2))  # same document, another question
+    s.add(b)
+    out = run_step(s)
+    assert [(r.slot, r.first_block, r.pool_blocks) for r in out.restores] == [(1, 0, a.block_table)]
+    assert out.prefix_hits == 12 and b.cached_tokens == 12
+    assert [(c.start, c.end) for c in out.prefill] == [(12, 16)]  # only the rest is computed
+    assert [(w.first_block, len(w.pool_blocks)) for w in out.saves] == []  # block 3 (12..16) is not full-below-last
+    assert s.prefix.blocks[a.block_table[0]].ref == 2
+    s.finish(a, "end_turn")
+    s.finish(b, "end_turn")
+    assert all(blk.ref == 0 for blk in s.prefix.blocks) and s.prefix.num_free == 8
+    # a third request with a different first block shares nothing (hashes are chained)
+    c = Sequence("c", [9] + doc[1:], SamplingParams(max_tokens=2))
+    s.add(c)
+    out = run_step(s)
+    assert out.prefix_hits == 0 and out.restores == []
+
+
+def test_blocks_saved_in_a_step_are_not_restored_before_that_step_ran():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=8, max_num_batched_tokens=64,
+                                  max_prefill_seqs=4))
+    doc = list(range(100, 113))
+    a, b = Sequence("a", doc, SamplingParams(max_tokens=2)), Sequence("b", doc, SamplingParams(max_tokens=2))
+    s.add(a)
+    s.add(b)
+    out = s.schedule()  # both admitted in the same step: b cannot restore a's unwritten blocks
+    assert out.restores == [] and {c.seq.request_id for c in out.prefill} == {"a", "b"}
+    assert [w.slot for w in out.saves] == [a.slot]  # b references the same blocks, one save
+    assert a.block_table == b.block_table
+    s.prefix.discard_pending()  # the step failed: nothing becomes matchable
+    c = Sequence("c", doc, SamplingParams(max_tokens=2))
+    s.add(c)
+    out = s.schedule()
+    assert out.restores == []
+
+
+def test_prefix_cache_evicts_least_recently_used_unreferenced_blocks():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, prefix_cache_blocks=2, max_num_batched_tokens=64))
+    first = Sequence("p", list(range(10, 19)), SamplingParams(max_tokens=1))  # 2 cacheable blocks
+    s.add(first)
+    run_step(s)
+    s.finish(first, "max_tokens")
+    other = Sequence("q", list(range(50, 59)), SamplingParams(max_tokens=1))
+    s.add(other)
+    run_step(s)  # evicts p's blocks (pool of 2)
+    s.finish(other, "max_tokens")
+    again = Sequence("p2", list(range(10, 19)), SamplingParams(max_tokens=1))
+    s.add(again)
+    out = run_step(s)
+    assert out.prefix_hits == 0
+    back = Sequence("q2", list(range(50, 59)), SamplingParams(max_tokens=1))
+    s.add(back)
+    out = run_step(s)
+    assert out.prefix_hits == 0  # q's blocks were evicted by p2 (p2 still holds them: pool exhausted)
 
 
 def test_bounded_waiting_queue_and_context_check():
@@ -80,7 +186,7 @@ def test_abort_waiting_and_running():
     a, b = make_requests(2)
     s.add(a)
     s.add(b)
-    s.schedule()  # a running, b waiting
+    s.schedule()  # a and b running (b admitted too)
     assert s.abort("r1") and s.num_waiting == 0
     assert s.abort("r0")
     out = s.schedule()

@@ -38,6 +38,8 @@ class StepStats:
 
     prefill_tokens: int = 0
     decode_batch: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens restored from it instead of computed
     generated: int = 0
     lookups: int = 0
     lookup_ms: float = 0.0
@@ -85,8 +87,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         out = self.runner.execute(plan) if not plan.is_empty else RunnerOutput()
+        self.scheduler.step_done()
         events = self.update(plan, out)
         self.last_stats = StepStats(prefill_tokens=out.prefill_tokens, decode_batch=out.decode_batch,
+                                    prefix_cache_queries=plan.prefix_queries, prefix_cache_hits=plan.prefix_hits,
                                     generated=len(out.results), lookups=out.lookups, lookup_ms=out.lookup_ms,
                                     step_ms=(time.perf_counter() - t0) * 1e3,
                                     finished=sum(1 for _, e in events if isinstance(e, Finished)))
@@ -95,7 +99,7 @@ class LLMEngine:
     def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[tuple[str, EngineEvent]]:
         events: list[tuple[str, EngineEvent]] = []
         now = time.monotonic()
-        for seq in plan.prefill + plan.decode:
+        for seq in plan.sampled:
             res = out.results.get(seq.request_id)
             st = self.requests.get(seq.request_id)
             if res is None or st is None:

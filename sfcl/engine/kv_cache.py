@@ -1,10 +1,24 @@
-"""KV cache storage: one contiguous row ("slot") of ``max_len`` positions per running sequence.
+"""KV cache storage: one contiguous row ("slot") of ``max_len`` positions per running sequence, a
+prefix-cache pool of fixed-size blocks, and an optional block-wise INT8 format.
 
-Who owns what: the scheduler (torch-free) decides which slot a request uses and when slots move
-(compaction keeps running sequences in slots [0, n) so that decode attends to plain views, no
-gather); this module only holds the tensors and performs the moves the scheduler asked for.
-Data lives on the model's device. ``torch.empty`` reserves virtual memory; pages are touched only
-as positions are written, so a large ``max_len`` costs little until used.
+Who owns what: the scheduler (torch-free) decides which slot a request uses, when rows move
+(compaction keeps decoding sequences in slots [0, n) so that decode attends to plain views, no
+gather), and which prefix-cache blocks are restored or saved (``sfcl.engine.block_manager``);
+this module holds the tensors and performs what the scheduler planned. Data lives on the model's
+device. ``torch.empty`` reserves virtual memory; pages are touched only as positions are written,
+so a large ``max_len`` or pool costs little until used. Row ``n_slots`` is a scratch row for swaps.
+
+INT8 (``kv_dtype="int8"``), following KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit
+Quantization for KV Cache"): keys are quantized **per channel** within each block of
+``block_size`` positions (key channels carry persistent outliers, so a per-token scale would be
+set by the outlier channel and crush the others), values **per token** (values have no channel
+outliers; their error is averaged by the attention weights). Symmetric absmax scaling to
+[-127, 127], scales stored in bfloat16 (fp32 exponent range; each value is quantized with the
+already-rounded scale, so the rounding costs nothing). The keys of a block still being filled are
+kept in full precision (a per-slot residual, as in KIVI) and the block is re-quantized from it on
+each write, so no value is ever quantized twice. Attention dequantizes the attended range to the
+compute dtype. Bytes per token and head (hd = 64, block 16): keys 64 + 8 (scales), values 64 + 2
+= 138 vs 256 in bf16 (0.54x).
 """
 
 from __future__ import annotations
@@ -13,21 +27,167 @@ import torch
 
 from sfcl.model.llama import LlamaArgs
 
+KV_DTYPES = ("auto", "int8")
+
 
 class KVCache:
-    """k[l], v[l]: (n_slots, n_kv_heads, max_len, head_dim) in ``dtype`` for each layer l."""
+    """Per layer l, for ``kv_dtype="auto"`` (the model dtype): k[l], v[l] (R, nkv, max_len, hd);
+    for ``"int8"``: k[l], v[l] int8 of that shape plus k_scale[l] (R, nkv, max_len/bs, hd) and
+    v_scale[l] (R, nkv, max_len) in bfloat16, and k_res[l] (R, nkv, bs, hd) full-precision keys of
+    each row's block in progress. R = n_slots + 1 (scratch row). The prefix-cache pool mirrors one
+    block of every tensor per pool block: pool_k[l] (P, nkv, bs, hd), ...
 
-    def __init__(self, args: LlamaArgs, n_slots: int, max_len: int, dtype: torch.dtype, device: str = "cpu"):
-        if n_slots < 1 or max_len < 1:
-            raise ValueError("n_slots and max_len must be >= 1")
-        shape = (n_slots, args.n_kv_heads, max_len, args.head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.n_slots, self.max_len = n_slots, max_len
-        self.bytes_per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * self.k[0].element_size()
+    Raises ValueError for an unknown kv_dtype or sizes < 1.
+    """
 
+    def __init__(self, args: LlamaArgs, n_slots: int, max_len: int, dtype: torch.dtype, device: str = "cpu",
+                 kv_dtype: str = "auto", block_size: int = 16, pool_blocks: int = 0):
+        if n_slots < 1 or max_len < 1 or block_size < 1 or pool_blocks < 0:
+            raise ValueError("n_slots, max_len and block_size must be >= 1, pool_blocks >= 0")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+        bs = block_size
+        max_len = -(-max_len // bs) * bs  # whole blocks
+        R, nkv, hd, L = n_slots + 1, args.n_kv_heads, args.head_dim, args.n_layers
+        self.n_slots, self.max_len, self.block_size, self.dtype, self.kv_dtype = n_slots, max_len, bs, dtype, kv_dtype
+        self.int8 = kv_dtype == "int8"
+        sd = dtype if not self.int8 else torch.int8
+
+        def alloc(shape, dt):
+            return [torch.empty(shape, dtype=dt, device=device) for _ in range(L)]
+
+        self.k = alloc((R, nkv, max_len, hd), sd)
+        self.v = alloc((R, nkv, max_len, hd), sd)
+        self.pool_k = alloc((pool_blocks, nkv, bs, hd), sd)
+        self.pool_v = alloc((pool_blocks, nkv, bs, hd), sd)
+        if self.int8:
+            self.k_scale = alloc((R, nkv, max_len // bs, hd), torch.bfloat16)
+            self.v_scale = alloc((R, nkv, max_len), torch.bfloat16)
+            self.k_res = alloc((R, nkv, bs, hd), dtype)
+            self.pool_ks = alloc((pool_blocks, nkv, hd), torch.bfloat16)
+            self.pool_vs = alloc((pool_blocks, nkv, bs), torch.bfloat16)
+        self.pool_blocks = pool_blocks
+        el = torch.empty((), dtype=sd).element_size()
+        per_head = 2 * hd * el
+        if self.int8:
+            per_head += 2 * (hd / bs) + 2  # bf16 key scales per channel per block + bf16 value scale per token
+        self.bytes_per_token = L * nkv * per_head  # KV bytes per cached token, all layers
+
+    # -- writes (inside attention) ---------------------------------------------------------------
+    def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (nkv, T, hd) for positions [start, start+T) of ``slot``."""
+        T = k.shape[1]
+        if not self.int8:
+            self.k[layer][slot, :, start:start + T] = k
+            self.v[layer][slot, :, start:start + T] = v
+            return
+        bs = self.block_size
+        b0 = start // bs * bs
+        if start > b0:  # the first block was partly written before: its keys are in the residual
+            k = torch.cat([self.k_res[layer][slot, :, :start - b0], k], dim=1)
+        end = start + T
+        n = end - b0
+        nb = -(-n // bs)
+        pad = nb * bs - n
+        kp = torch.nn.functional.pad(k, (0, 0, 0, pad)) if pad else k  # (nkv, nb*bs, hd), zeros do not change absmax
+        q, s = _quant_keys(kp.view(k.shape[0], nb, bs, -1))  # (nkv, nb, bs, hd) int8, (nkv, nb, hd)
+        self.k[layer][slot, :, b0:b0 + nb * bs] = q.view(k.shape[0], nb * bs, -1)
+        self.k_scale[layer][slot, :, b0 // bs:b0 // bs + nb] = s
+        if end % bs:  # keep the block in progress in full precision
+            r = end % bs
+            self.k_res[layer][slot, :, :r] = k[:, n - r:]
+        vq, vs = _quant_tokens(v)
+        self.v[layer][slot, :, start:end] = vq
+        self.v_scale[layer][slot, :, start:end] = vs
+
+    def write_decode(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots, pos: (B,) int64; k, v: (B, nkv, hd) — one new position per row."""
+        if not self.int8:
+            self.k[layer][slots, :, pos] = k
+            self.v[layer][slots, :, pos] = v
+            return
+        bs = self.block_size
+        off = pos % bs  # (B,)
+        blk = pos // bs  # (B,)
+        res = self.k_res[layer]
+        res[slots, :, off] = k
+        keep = (torch.arange(bs, device=k.device)[None, :] <= off[:, None])  # (B, bs) positions filled so far
+        block = res[slots] * keep[:, None, :, None].to(res.dtype)  # (B, nkv, bs, hd)
+        q, s = _quant_keys(block[:, :, None])  # (B, nkv, 1, bs, hd), (B, nkv, 1, hd)
+        idx = blk[:, None] * bs + torch.arange(bs, device=k.device)[None, :]  # (B, bs)
+        self.k[layer][slots[:, None], :, idx] = q[:, :, 0].transpose(1, 2)  # index -> (B, bs, nkv, hd)
+        self.k_scale[layer][slots, :, blk] = s[:, :, 0]
+        vq, vs = _quant_tokens(v[:, :, None])  # (B, nkv, 1, hd), (B, nkv, 1)
+        self.v[layer][slots, :, pos] = vq[:, :, 0]
+        self.v_scale[layer][slots, :, pos] = vs[:, :, 0]
+
+    # -- reads (inside attention) ----------------------------------------------------------------
+    def read(self, layer: int, rows: slice | torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [0, S) for ``rows`` (a slice -> views when not INT8, or a (B,) index):
+        (B, nkv, S, hd) each in the compute dtype."""
+        if not self.int8:
+            return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
+        bs = self.block_size
+        nb = -(-S // bs)
+        kq = self.k[layer][rows, :, :nb * bs]  # (B, nkv, nb*bs, hd)
+        B, nkv, _, hd = kq.shape
+        ks = self.k_scale[layer][rows, :, :nb]  # (B, nkv, nb, hd)
+        kk = (kq.view(B, nkv, nb, bs, hd).to(self.dtype) * ks[:, :, :, None].to(self.dtype)).view(B, nkv, nb * bs, hd)[:, :, :S]
+        vv = self.v[layer][rows, :, :S].to(self.dtype) * self.v_scale[layer][rows, :, :S, None].to(self.dtype)
+        return kk, vv
+
+    # -- scheduler-planned copies ------------------------------------------------------------------
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy positions [0, length) of slot ``src`` into slot ``dst`` in every layer."""
-        for kl, vl in zip(self.k, self.v):
-            kl[dst, :, :length] = kl[src, :, :length]
-            vl[dst, :, :length] = vl[src, :, :length]
+        """Copy positions [0, length) of row ``src`` into row ``dst`` in every layer."""
+        bs = self.block_size
+        nb = -(-length // bs)
+        for i in range(len(self.k)):
+            self.k[i][dst, :, :length] = self.k[i][src, :, :length]
+            self.v[i][dst, :, :length] = self.v[i][src, :, :length]
+            if self.int8:
+                self.k_scale[i][dst, :, :nb] = self.k_scale[i][src, :, :nb]
+                self.v_scale[i][dst, :, :length] = self.v_scale[i][src, :, :length]
+                self.k_res[i][dst] = self.k_res[i][src]
+
+    def restore(self, slot: int, first_block: int, pool_blocks: list[int]) -> None:
+        """Prefix-cache hit: copy pool blocks into consecutive blocks of ``slot``'s row."""
+        self._blocks(slot, first_block, pool_blocks, to_pool=False)
+
+    def save(self, slot: int, first_block: int, pool_blocks: list[int]) -> None:
+        """Copy consecutive full blocks of ``slot``'s row into pool blocks."""
+        self._blocks(slot, first_block, pool_blocks, to_pool=True)
+
+    def _blocks(self, slot: int, first_block: int, pool_blocks: list[int], to_pool: bool) -> None:
+        bs, n = self.block_size, len(pool_blocks)
+        a, b = first_block * bs, (first_block + n) * bs
+        ids = torch.tensor(pool_blocks, device=self.k[0].device)
+        for i in range(len(self.k)):
+            pairs = [(self.k[i], self.pool_k[i]), (self.v[i], self.pool_v[i])]
+            for row, pool in pairs:
+                nkv, hd = row.shape[1], row.shape[3]
+                if to_pool:  # (nkv, n*bs, hd) -> (n, nkv, bs, hd)
+                    pool[ids] = row[slot, :, a:b].reshape(nkv, n, bs, hd).transpose(0, 1)
+                else:
+                    row[slot, :, a:b] = pool[ids].transpose(0, 1).reshape(nkv, n * bs, hd)
+            if self.int8:
+                if to_pool:
+                    self.pool_ks[i][ids] = self.k_scale[i][slot, :, first_block:first_block + n].transpose(0, 1)
+                    self.pool_vs[i][ids] = self.v_scale[i][slot, :, a:b].reshape(-1, n, bs).transpose(0, 1)
+                else:
+                    self.k_scale[i][slot, :, first_block:first_block + n] = self.pool_ks[i][ids].transpose(0, 1)
+                    self.v_scale[i][slot, :, a:b] = self.pool_vs[i][ids].transpose(0, 1).reshape(-1, n * bs)
+
+
+def _quant_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel symmetric INT8 over the block axis: x (..., nb, bs, hd) -> int8 same shape,
+    bf16 scales (..., nb, hd)."""
+    s = (x.abs().amax(dim=-2).float() / 127.0).clamp_min(1e-8).to(torch.bfloat16)  # (..., nb, hd)
+    q = torch.round(x.float() / s.float()[..., None, :]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+def _quant_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT8 over the channel axis: x (..., T, hd) -> int8, bf16 scales (..., T)."""
+    s = (x.abs().amax(dim=-1).float() / 127.0).clamp_min(1e-8).to(torch.bfloat16)  # (..., T)
+    q = torch.round(x.float() / s.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, s

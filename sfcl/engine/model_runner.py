@@ -2,10 +2,10 @@
 snapshot triggers and does the step's anchor lookups; hands back plain Python results.
 
 It never decides anything (the scheduler does). Lives in the engine thread; tensors stay on the
-model's device. Per step: KV moves, one prefill forward per admitted sequence, one batched
-decode forward for the running batch, then sampling and trigger evaluation over all rows at once,
-one host transfer of the packed per-row results, and (only when some row looks up an anchor) one
-batched search plus its transfer.
+model's device. Per step: KV moves and prefix-cache restores, one batched decode forward for the
+decoding sequences, one forward per prompt chunk, prefix-cache saves, then sampling and trigger
+evaluation over all sampled rows at once, one host transfer of the packed per-row results, and
+(only when some row looks up an anchor) one batched search plus its transfer.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class SeqResult:
 @dataclass(slots=True)
 class RunnerOutput:
     results: dict[str, SeqResult] = field(default_factory=dict)  # by request id
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed this step
+    restored_tokens: int = 0  # prompt tokens copied from the prefix cache this step
     decode_batch: int = 0
     forward_ms: float = 0.0
     lookups: int = 0
@@ -50,7 +51,7 @@ class ModelRunner:
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
         self.snapshotter = snapshotter
         self.device = device
-        self.state = SnapshotState(kv.n_slots, snapshotter.cfg.dispersion_window if snapshotter else 3, device)
+        self.state = SnapshotState(kv.n_slots + 1, snapshotter.cfg.dispersion_window if snapshotter else 3, device)
         self.generators: dict[str, torch.Generator] = {}
 
     def release(self, request_id: str) -> None:
@@ -76,20 +77,11 @@ class ModelRunner:
         for mv in plan.moves:
             self.kv.move(mv.src, mv.dst, mv.length)
             self.state.move(mv.src, mv.dst)
+        for r in plan.restores:
+            self.kv.restore(r.slot, r.first_block, r.pool_blocks)
+            out.restored_tokens += len(r.pool_blocks) * self.kv.block_size
         seqs: list[Sequence] = []
         logits, hidden, disp = [], [], []
-        for seq in plan.prefill:
-            T = len(seq.prompt_ids)
-            ids = torch.tensor([seq.prompt_ids], device=self.device)  # (1, T)
-            batch = AttnBatch(is_prefill=True, slots=torch.tensor([seq.slot]),
-                              positions=torch.arange(T, device=self.device), kv_len=T)
-            fo = self.model(ids, batch, self.kv, self.tap_layer)
-            self.state.reset(seq.slot)
-            seqs.append(seq)
-            logits.append(fo.logits)  # (1, V)
-            hidden.append(fo.tap_hidden[:, -1])  # (1, H)
-            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], torch.tensor([T], device=self.device)))
-            out.prefill_tokens += T
         if plan.decode:
             B = len(plan.decode)
             ids = torch.tensor([[s.last_token] for s in plan.decode], device=self.device)  # (B, 1)
@@ -104,6 +96,22 @@ class ModelRunner:
             hidden.append(fo.tap_hidden[:, -1])  # (B, H)
             disp.append(attention_dispersion(fo.tap_probs[:, :, -1], pos + 1))
             out.decode_batch = B
+        for ch in plan.prefill:
+            seq = ch.seq
+            ids = torch.tensor([seq.prompt_ids[ch.start:ch.end]], device=self.device)  # (1, T)
+            batch = AttnBatch(is_prefill=True, slots=torch.tensor([seq.slot]),
+                              positions=torch.arange(ch.start, ch.end, device=self.device), kv_len=ch.end)
+            fo = self.model(ids, batch, self.kv, self.tap_layer, want_probs=ch.is_last)
+            out.prefill_tokens += ch.end - ch.start
+            if not ch.is_last:
+                continue
+            self.state.reset(seq.slot)
+            seqs.append(seq)
+            logits.append(fo.logits)  # (1, V)
+            hidden.append(fo.tap_hidden[:, -1])  # (1, H)
+            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], torch.tensor([ch.end], device=self.device)))
+        for w in plan.saves:
+            self.kv.save(w.slot, w.first_block, w.pool_blocks)
         if not seqs:
             return out
         logits_t = torch.cat(logits)  # (N, V) float32

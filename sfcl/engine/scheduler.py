@@ -1,16 +1,23 @@
-"""Scheduler: decides, each engine step, which sequences prefill, which decode, and where their KV
-lives. Pure Python (no torch): ints, lists and ``Sequence`` records, unit-tested in milliseconds.
+"""Scheduler: decides, each engine step, which sequences prefill (and how much), which decode, where
+their KV lives, and which prefix-cache blocks are restored or saved. Pure Python (no torch): ints,
+lists and ``Sequence`` records, unit-tested in milliseconds.
 
-Policy (issue #2 baseline, extended by the throughput work):
+Policy:
 - FCFS waiting queue, bounded (``max_waiting``); the engine refuses new work when it is full.
   Requests tagged with one of ``priority_tags`` (e.g. ``high-risk``) jump ahead of untagged
   ones, FCFS among themselves, so their latency SLO can be held separately under load.
-- KV slots: running sequences occupy cache slots [0, n_running). When a sequence leaves, the
-  highest slot moves into the hole (a ``KVMove`` the runner performs before the forward), so the
-  decode batch always attends to contiguous views, never a gather.
-- Each step admits at most ``max_prefill_seqs`` waiting sequences (whole-prompt prefill, within
-  ``max_prefill_tokens``) and decodes every other running sequence as one batch. A long prompt
-  therefore delays the running streams by one prefill forward; chunked prefill is the next step.
+- Continuous batching with chunked prefill (Agrawal et al. 2024, Sarathi-Serve): every step
+  decodes all running sequences whose prompt is complete, and spends the rest of a token budget
+  (``max_num_batched_tokens``) on prompt chunks of prefilling sequences, oldest first. A long
+  prompt therefore delays running streams by at most one chunk forward per step instead of one
+  whole-prompt forward. Chunks end on KV-block boundaries except at the prompt's end.
+- Prefix caching (``sfcl.engine.block_manager``): on admission the longest cached chain of the
+  prompt's full blocks (leaving at least one token to compute) is restored instead of prefilled;
+  prompt blocks are saved to the cache as their chunk completes.
+- KV slots: decoding sequences occupy cache slots [0, n_decode), prefilling ones the slots above,
+  so the decode batch always attends to contiguous views, never a gather. When a sequence leaves
+  or completes its prompt, ``KVMove`` records (performed by the runner before the forward) restore
+  that layout; slot ``max_num_seqs`` is a scratch row for swaps.
 
 Called only from the engine thread.
 """
@@ -21,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from sfcl.engine.block_manager import PrefixCache, block_hashes
 from sfcl.engine.request import RequestStatus, SamplingParams
 
 
@@ -40,6 +48,19 @@ class Sequence:
     scheduled_s: float | None = None  # when it left the waiting queue (queue time = this - arrival)
     last_token_s: float | None = None
     token_gaps_s: list[float] = field(default_factory=list)  # gaps between consecutive output tokens
+    num_computed: int = 0  # prompt tokens whose KV is in the slot (restored or prefilled)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    block_table: list[int] = field(default_factory=list)  # prefix-cache block per full prompt block (prefix)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full prompt blocks
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Positions [0, kv_len) of the slot hold valid KV."""
+        return self.num_computed + max(0, len(self.output_ids) - 1) if self.prefill_done else self.num_computed
 
     @property
     def num_tokens(self) -> int:
@@ -58,17 +79,48 @@ class KVMove:
 
 
 @dataclass(slots=True)
+class BlockCopy:
+    """Prefix-cache transfer for one sequence: pool blocks <-> its slot row, block-aligned."""
+
+    slot: int
+    first_block: int  # logical block index in the sequence (positions first_block * block_size ...)
+    pool_blocks: list[int]  # consecutive logical blocks first_block, first_block + 1, ...
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    seq: Sequence
+    start: int  # prompt positions [start, end) are computed this step
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end >= len(self.seq.prompt_ids)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
-    """The plan of one step; the runner turns it into tensors."""
+    """The plan of one step; the runner turns it into tensors. Order: moves, restores, forwards
+    (decode batch, prefill chunks), saves."""
 
     moves: list[KVMove]  # performed first, in order
-    prefill: list[Sequence]  # each prefills its whole prompt into ``seq.slot``
+    prefill: list[PrefillChunk]  # prompt chunks; the sequence samples its first token on its last chunk
     decode: list[Sequence]  # one new token each; slots are exactly 0..len(decode)-1 in order
     finished: list[Sequence]  # removed since the last step (aborted while waiting/running)
+    restores: list[BlockCopy] = field(default_factory=list)  # prefix-cache hits: pool -> slot, before forwards
+    saves: list[BlockCopy] = field(default_factory=list)  # prompt blocks completed this step: slot -> pool
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_hits: int = 0  # of which restored
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode)
+        return not (self.prefill or self.decode or self.restores)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """Sequences that get a new token this step (decode rows first, then last prompt chunks),
+        in the runner's row order."""
+        return list(self.decode) + [c.seq for c in self.prefill if c.is_last]
 
 
 @dataclass(slots=True)
@@ -76,14 +128,23 @@ class SchedulerConfig:
     max_num_seqs: int = 16  # KV slots = largest decode batch
     max_model_len: int = 8192  # prompt + generated tokens per sequence
     max_waiting: int = 256  # bounded waiting queue
-    max_prefill_seqs: int = 1  # new sequences admitted per step
-    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one long prompt always fits)
+    max_num_batched_tokens: int = 512  # tokens per step: decode rows + prompt chunk tokens
+    max_prefill_seqs: int = 4  # sequences prefilling at once
+    block_size: int = 16  # KV block (prefix-cache and INT8-scale granularity), tokens
+    prefix_cache_blocks: int = 0  # prefix-cache pool size in blocks (0: prefix caching off)
     priority_tags: tuple[str, ...] = ()  # requests with these tags are admitted before all others
 
     def __post_init__(self) -> None:
-        for f in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_seqs", "max_prefill_tokens"):
+        for f in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_seqs", "max_num_batched_tokens",
+                  "block_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1")
+        if self.prefix_cache_blocks < 0:
+            raise ValueError("prefix_cache_blocks must be >= 0")
+        if self.max_num_batched_tokens < self.block_size + self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be >= block_size + max_num_seqs "
+                             f"({self.block_size + self.max_num_seqs}) so that prefill always progresses")
+        self.priority_tags = tuple(self.priority_tags)
 
 
 class QueueFullError(Exception):
@@ -94,9 +155,11 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # index i holds the sequence in slot i
+        self.running: list[Sequence] = []  # admission order
+        self.prefix = PrefixCache(cfg.prefix_cache_blocks, cfg.block_size)
         self._removed: list[Sequence] = []
-        self._holes: list[int] = []  # slots freed since the last compaction
+        self._free_slots: list[int] = list(range(cfg.max_num_seqs))
+        self.scratch_slot = cfg.max_num_seqs  # the KV cache has max_num_seqs + 1 rows
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -124,66 +187,138 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Remove a request wherever it is; its slot is reclaimed at the next schedule()."""
         for seq in [*self.waiting, *self.running]:
-            if seq is not None and seq.request_id == request_id:
+            if seq.request_id == request_id:
                 self.finish(seq, "aborted")
                 return True
         return False
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        moves = self._compact()
-        decode = list(self.running)
-        prefill: list[Sequence] = []
-        budget = self.cfg.max_prefill_tokens
-        while (self.waiting and len(self.running) < self.cfg.max_num_seqs
-               and len(prefill) < self.cfg.max_prefill_seqs):
-            seq = self.waiting[0]
-            if prefill and len(seq.prompt_ids) > budget:
-                break
-            self.waiting.popleft()
-            budget -= len(seq.prompt_ids)
-            seq.slot = len(self.running)
+        cfg, bs = self.cfg, self.cfg.block_size
+        self.prefix.discard_pending()  # a step that failed never wrote its saves
+        queries = hits = 0
+        admitted: list[Sequence] = []
+        # admit: while a slot is free and few enough sequences are prefilling
+        n_decode = sum(1 for s in self.running if s.prefill_done)
+        n_prefilling = len(self.running) - n_decode
+        while self.waiting and self._free_slots and n_prefilling < cfg.max_prefill_seqs:
+            seq = self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
             seq.scheduled_s = time.monotonic()
+            # lowest free slot above the decode region: the oldest prefilling sequence then usually
+            # sits at slot n_decode when its prompt completes and joins the batch without a move
+            above = [f for f in self._free_slots if f >= n_decode]
+            seq.slot = min(above) if above else min(self._free_slots)
+            self._free_slots.remove(seq.slot)
+            seq.num_computed = seq.cached_tokens = 0
+            if self.prefix.enabled:
+                n_full = (len(seq.prompt_ids) - 1) // bs  # the last prompt token is always computed
+                seq.block_hashes = block_hashes(seq.prompt_ids, bs, n_full)
+                q0, h0 = self.prefix.queries, self.prefix.hits
+                seq.block_table = self.prefix.match(seq.block_hashes, seq.prompt_ids)
+                queries += self.prefix.queries - q0
+                hits += self.prefix.hits - h0
             self.running.append(seq)
-            prefill.append(seq)
+            admitted.append(seq)
+            n_prefilling += 1
+        decode = [s for s in self.running if s.prefill_done]
+        prefilling = [s for s in self.running if not s.prefill_done]
+        moves = self._layout(decode, prefilling)  # admitted sequences have no KV yet: moved free
+        restores: list[BlockCopy] = []
+        for seq in admitted:  # restore into the final slot, after the moves
+            if seq.block_table:
+                seq.num_computed = seq.cached_tokens = len(seq.block_table) * bs
+                restores.append(BlockCopy(seq.slot, 0, list(seq.block_table)))
+        # prompt chunks, oldest first, within the step's token budget
+        budget = cfg.max_num_batched_tokens - len(decode)
+        chunks: list[PrefillChunk] = []
+        saves: list[BlockCopy] = []
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            start, n_prompt = seq.num_computed, len(seq.prompt_ids)
+            end = min(n_prompt, start + budget)
+            if end < n_prompt:
+                end = start + (end - start) // bs * bs  # block-aligned unless it completes the prompt
+                if end <= start:
+                    break
+            chunks.append(PrefillChunk(seq, start, end))
+            budget -= end - start
+            seq.num_computed = end
+            if self.prefix.enabled:
+                saves.extend(self._plan_saves(seq))
         removed, self._removed = self._removed, []
-        return SchedulerOutput(moves=moves, prefill=prefill, decode=decode, finished=removed)
+        return SchedulerOutput(moves=moves, prefill=chunks, decode=decode, finished=removed, restores=restores,
+                               saves=saves, prefix_queries=queries, prefix_hits=hits)
+
+    def step_done(self) -> None:
+        """The runner executed the last plan (its saves are written)."""
+        self.prefix.commit()
+
+    def _plan_saves(self, seq: Sequence) -> list[BlockCopy]:
+        """Allocate cache blocks for the full prompt blocks that are now computed."""
+        bs = self.cfg.block_size
+        n_done = min(len(seq.block_hashes), seq.num_computed // bs)
+        out: list[BlockCopy] = []
+        while len(seq.block_table) < n_done:
+            i = len(seq.block_table)
+            got = self.prefix.allocate(seq.block_hashes[i], tuple(seq.prompt_ids[i * bs:(i + 1) * bs]))
+            if got is None:  # every block is referenced by a running sequence: stop caching this prompt
+                seq.block_hashes = seq.block_hashes[:i]
+                break
+            bid, needs_save = got
+            seq.block_table.append(bid)
+            if needs_save:
+                if out and out[-1].first_block + len(out[-1].pool_blocks) == i:
+                    out[-1].pool_blocks.append(bid)
+                else:
+                    out.append(BlockCopy(seq.slot, i, [bid]))
+        return out
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark a sequence finished, waiting or running (engine update, abort, shutdown); a running
-        sequence leaves a slot hole that the next schedule() compacts."""
+        sequence frees its slot and its prefix-cache block references."""
         if seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
-        elif seq.status is RequestStatus.RUNNING and 0 <= seq.slot < len(self.running) and self.running[seq.slot] is seq:
-            self.running[seq.slot] = None  # type: ignore[call-overload]  # a hole until compaction
-            self._holes.append(seq.slot)
+        elif seq.status is RequestStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+            self._free_slots.append(seq.slot)
+            if seq.block_table:
+                self.prefix.release(seq.block_table)
+                seq.block_table = []
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         seq.slot = -1
         self._removed.append(seq)
 
-    def _compact(self) -> list[KVMove]:
-        """Fill holes with the highest running slots so that slots stay [0, n)."""
+    def _layout(self, decode: list[Sequence], prefilling: list[Sequence]) -> list[KVMove]:
+        """Moves that put decoding sequences in slots [0, n_decode) (any order) and prefilling ones
+        at or above n_decode; decode is then sorted by slot. Swaps go through the scratch row."""
+        n = len(decode)
         moves: list[KVMove] = []
-        if not self._holes:
-            return moves
-        self._holes.clear()
-        live = self.running
-        lo, hi = 0, len(live) - 1
-        while True:
-            while hi >= 0 and live[hi] is None:
-                live.pop()
-                hi -= 1
-            while lo < hi and live[lo] is not None:
-                lo += 1
-            if lo >= hi:
-                break
-            seq = live.pop()
-            hi -= 1
-            moves.append(KVMove(src=seq.slot, dst=lo, length=seq.num_tokens))
-            seq.slot = lo
-            live[lo] = seq
+        misplaced = [s for s in decode if s.slot >= n]
+        if misplaced:
+            occupant = {s.slot: s for s in prefilling}
+            targets = sorted(set(range(n)) - {s.slot for s in decode})
+            free = set(self._free_slots)
+            for seq, t in zip(misplaced, targets):
+                old = seq.slot
+                other = occupant.get(t)
+                if other is not None:  # a prefilling sequence sits there: swap (via the scratch row)
+                    if other.kv_len:
+                        moves.append(KVMove(src=t, dst=self.scratch_slot, length=other.kv_len))
+                    moves.append(KVMove(src=old, dst=t, length=seq.kv_len))
+                    if other.kv_len:
+                        moves.append(KVMove(src=self.scratch_slot, dst=old, length=other.kv_len))
+                    other.slot, seq.slot = old, t
+                    occupant[old] = other
+                else:
+                    moves.append(KVMove(src=old, dst=t, length=seq.kv_len))
+                    free.discard(t)
+                    free.add(old)
+                    seq.slot = t
+            self._free_slots = sorted(free)
+        decode.sort(key=lambda s: s.slot)
         return moves
 
     # -- queries --------------------------------------------------------------------------------
@@ -193,7 +328,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for s in self.running if s is not None)
+        return len(self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._removed)

@@ -120,8 +120,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, batch: AttnBatch, k_cache, v_cache, want_probs: str | None):
-        """x: (B, T, H). k_cache/v_cache: (n_slots, nkv, max_len, hd). Returns (out (B,T,H), probs).
+    def forward(self, x, cos, sin, batch: AttnBatch, kv, layer: int, want_probs: str | None):
+        """x: (B, T, H). kv: ``sfcl.engine.kv_cache.KVCache`` (writes and reads layer ``layer``).
+        Returns (out (B, T, H), probs).
 
         want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
         over attended positions: (B, nh, 1, S) for the last new token, or (1, nh, T, S) for all.
@@ -145,10 +146,8 @@ class Attention(nn.Module):
         if batch.is_prefill:
             slot = int(batch.slots[0])
             start = S - T
-            k_cache[slot, :, start:S] = k[0]
-            v_cache[slot, :, start:S] = v[0]
-            kk = k_cache[slot : slot + 1, :, :S]  # (1, nkv, S, hd)
-            vv = v_cache[slot : slot + 1, :, :S]
+            kv.write_prefill(layer, slot, start, k[0], v[0])
+            kk, vv = kv.read(layer, slice(slot, slot + 1), S)  # (1, nkv, S, hd)
             if want_probs == "all":
                 # Eager attention for this one layer: the builder calibrates on every position.
                 qg = q.reshape(1, nkv, g * T, hd)  # (1, nkv, g T, hd): heads of a group share K
@@ -171,13 +170,9 @@ class Attention(nn.Module):
                     probs = s.softmax(-1).view(1, nh, 1, S)
         else:
             pos = batch.positions  # (B,)
-            k_cache[batch.slots, :, pos] = k[:, :, 0]  # (B, nkv, hd)
-            v_cache[batch.slots, :, pos] = v[:, :, 0]
-            if batch.slot_range is not None:
-                lo, hi = batch.slot_range
-                kk, vv = k_cache[lo:hi, :, :S], v_cache[lo:hi, :, :S]  # views (B, nkv, S, hd)
-            else:
-                kk, vv = k_cache[batch.slots, :, :S], v_cache[batch.slots, :, :S]
+            kv.write_decode(layer, batch.slots, pos, k[:, :, 0], v[:, :, 0])  # (B, nkv, hd)
+            rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+            kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
             # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x.
             qg = q.reshape(B, nkv, g, hd)
             s = torch.matmul(qg, kk.transpose(-1, -2)) * self.scale  # (B, nkv, g, S)
@@ -261,7 +256,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             is_tap = i == tap_layer
             attn_out, probs = layer.self_attn(
-                layer.input_layernorm(h), cos, sin, batch, kv.k[i], kv.v[i],
+                layer.input_layernorm(h), cos, sin, batch, kv, i,
                 (("all" if all_positions else "last") if want_probs and is_tap else None),
             )
             h = h + attn_out
