@@ -5,14 +5,20 @@ The engine fills a ``StepStats`` per step and emits typed events; the engine thr
 Prometheus conventions: ``sfcl_`` prefix, base units (seconds), ``_total`` counters. Request tags
 become a ``tag`` label from a bounded set (configured tags; anything else is ``other``, no tag is
 ``none``) so a client cannot blow up the series count.
+
+GPU utilisation and memory come from NVML (``nvidia-ml-py``, extra ``gpu``) through a collector
+read at scrape time; the series are absent on a machine without CUDA or without the package.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent
 
@@ -22,6 +28,8 @@ LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.0
 VARIANCE_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)  # seconds^2 (1e-4 s^2 = 100 ms^2)
 N_ANCHOR_BUCKETS = 32  # anchor-id ranges on the heatmap's y axis
 
+log = logging.getLogger("sfcl.metrics")
+
 
 class PrometheusStatLogger:
     """Turns StepStats + events into series.
@@ -30,11 +38,12 @@ class PrometheusStatLogger:
     anchor-id buckets. hit_threshold: best cosine similarity that counts as an anchor hit.
     price_per_hour: device price in dollars per hour for the cost series (0 disables them).
     kv_slots: KV slots of the engine, for the cache-usage ratio.
+    gpu: export NVML GPU gauges; None = when CUDA and ``pynvml`` (nvidia-ml-py) are available.
     """
 
     def __init__(self, snapshots_enabled: bool, registry: CollectorRegistry | None = None, *,
                  known_tags: tuple[str, ...] = ("high-risk",), n_anchors: int = 0, hit_threshold: float = 0.8,
-                 price_per_hour: float = 0.0, kv_slots: int = 1):
+                 price_per_hour: float = 0.0, kv_slots: int = 1, gpu: bool | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.known_tags = set(known_tags)
         self.n_anchors, self.hit_threshold = n_anchors, hit_threshold
@@ -50,12 +59,18 @@ class PrometheusStatLogger:
         self.kv_usage = Gauge("sfcl_kv_cache_usage_ratio", "Share of KV slots in use (0..1)", registry=r)
         self.steps = Counter("sfcl_engine_steps", "Engine steps executed", registry=r)
         self.lookups = Counter("sfcl_snapshot_lookups", "Anchor lookups by the (first) trigger that caused "
-                               "them; 'always' for every-token mode without a trigger", ["trigger"], registry=r)
+                               "them ('always' for every-token mode without a trigger) and the request's "
+                               "snapshot mode (triggered | always)", ["trigger", "mode"], registry=r)
+        self._mode_of: Callable[[str], str | None] = lambda rid: None
+        self.prefix_queries = Counter("sfcl_prefix_cache_queries", "Prompt tokens looked up in the prefix KV "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("sfcl_prefix_cache_hits", "Prompt tokens found in the prefix KV cache "
+                                   "(KV reused, not recomputed)", registry=r)
         self.anchor_lookups = Counter("sfcl_anchor_lookups", "Anchor lookups (snapshots)", registry=r)
         self.anchor_hits = Counter("sfcl_anchor_hits", "Lookups whose best anchor similarity reached the hit "
                                    "threshold", registry=r)
         self.anchor_bucket = Counter("sfcl_snapshots_by_anchor_bucket", "Snapshots by best-anchor id range "
-                                     f"(library split into {N_ANCHOR_BUCKETS} equal ranges)", ["bucket"], registry=r)
+                                     f"(library split into {N_ANCHOR_BUCKETS} equal ranges, label 00..{N_ANCHOR_BUCKETS - 1:02d})", ["bucket"], registry=r)
         self.lookup_seconds = Histogram("sfcl_snapshot_lookup_seconds", "Batched anchor search time per step",
                                         buckets=LOOKUP_BUCKETS, registry=r)
         self.ttft = Histogram("sfcl_time_to_first_token_seconds", "Arrival to first generated token", ["tag"],
@@ -77,6 +92,11 @@ class PrometheusStatLogger:
         self.req_per_hour = Gauge("sfcl_requests_per_device_hour", "Finished requests per hour of uptime", registry=r)
         self.cost.set_function(self._cost)
         self.req_per_hour.set_function(lambda: self.n_requests / max(1e-9, self._hours()))
+        self.gpu_collector = NvmlCollector.create() if gpu or gpu is None else None
+        if gpu and self.gpu_collector is None:
+            log.warning("GPU metrics requested but CUDA or nvidia-ml-py (pynvml) is unavailable")
+        if self.gpu_collector is not None:
+            r.register(self.gpu_collector)
 
     def _hours(self) -> float:
         return (time.monotonic() - self.started) / 3600.0
@@ -93,22 +113,34 @@ class PrometheusStatLogger:
         self.waiting.set_function(num_waiting)
         self.kv_usage.set_function(lambda: num_running() / self.kv_slots)
 
+    def watch_requests(self, mode_of: Callable[[str], str | None]) -> None:
+        """mode_of(request_id) -> the live request's snapshot mode, or None once it is gone.
+        Called on the engine thread inside ``log``, so it may read engine state directly."""
+        self._mode_of = mode_of
+
     def log(self, stats, events) -> None:
         """stats: ``sfcl.engine.engine.StepStats``; events: the step's (request_id, event) pairs."""
         self.steps.inc()
         self.generation_tokens.inc(stats.generated)
         self.n_tokens += stats.generated
+        self.prefix_queries.inc(getattr(stats, "prefix_cache_queries", 0))
+        self.prefix_hits.inc(getattr(stats, "prefix_cache_hits", 0))
         if stats.lookups:
             self.lookup_seconds.observe(stats.lookup_ms / 1e3)
-        for _, ev in events:
+        # A request that finished in this step is already gone from the engine: its Finished
+        # record in the same batch carries the mode.
+        finished_modes = {rid: ev.snapshot_summary.get("mode") for rid, ev in events
+                          if isinstance(ev, Finished) and isinstance(ev.snapshot_summary, dict)}
+        for rid, ev in events:
             if isinstance(ev, SnapshotEvent):
-                self.lookups.labels(trigger=ev.trigger).inc()
+                mode = finished_modes.get(rid) or self._mode_of(rid) or "unknown"
+                self.lookups.labels(trigger=ev.trigger, mode=mode).inc()
                 self.anchor_lookups.inc()
                 if ev.top and ev.top[0].score >= self.hit_threshold:
                     self.anchor_hits.inc()
                 if self.n_anchors:
                     b = min(N_ANCHOR_BUCKETS - 1, ev.anchor_id * N_ANCHOR_BUCKETS // self.n_anchors)
-                    self.anchor_bucket.labels(bucket=str(b)).inc()
+                    self.anchor_bucket.labels(bucket=f"{b:02d}").inc()  # zero-padded: sorts as numbers
             elif isinstance(ev, Finished):
                 tag = self.tag_label(ev.tag)
                 self.n_requests += 1
@@ -127,3 +159,56 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NvmlCollector:
+    """``sfcl_gpu_utilization_ratio{gpu}`` and ``sfcl_gpu_memory_used_bytes{gpu}``, read from NVML at
+    every scrape (no background thread). ``gpu`` is the NVML device index (as in ``nvidia-smi``).
+
+    Utilisation is NVML's ``utilization.gpu`` (share of the last sample period, 1/6 s to 1 s
+    depending on the product, in which a kernel ran) divided by 100; memory is ``memory.used`` in
+    bytes. A device whose query fails is left out of that scrape.
+    """
+
+    def __init__(self, nvml, n_devices: int):
+        self.nvml, self.n_devices = nvml, n_devices
+
+    @classmethod
+    def create(cls) -> "NvmlCollector | None":
+        """A collector when CUDA is available and NVML initialises, else None (CPU: no series)."""
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()
+            n = int(pynvml.nvmlDeviceGetCount())
+        except Exception as e:  # NVMLError: no driver library, permissions...
+            log.warning("NVML unavailable, no GPU metrics: %s", e)
+            return None
+        return cls(pynvml, n)
+
+    def describe(self):
+        return [GaugeMetricFamily("sfcl_gpu_utilization_ratio", "GPU busy share (0..1)", labels=["gpu"]),
+                GaugeMetricFamily("sfcl_gpu_memory_used_bytes", "GPU memory in use (bytes)", labels=["gpu"])]
+
+    def collect(self):
+        util = GaugeMetricFamily("sfcl_gpu_utilization_ratio", "GPU busy share (0..1), from NVML at scrape time",
+                                 labels=["gpu"])
+        mem = GaugeMetricFamily("sfcl_gpu_memory_used_bytes", "GPU memory in use (bytes), from NVML at scrape "
+                                "time", labels=["gpu"])
+        for i in range(self.n_devices):
+            try:
+                h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+                u = self.nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+                used = self.nvml.nvmlDeviceGetMemoryInfo(h).used
+            except Exception:  # one device failing must not break the scrape
+                continue
+            util.add_metric([str(i)], u)
+            mem.add_metric([str(i)], float(used))
+        yield util
+        yield mem

@@ -162,6 +162,7 @@ class AsyncEngine:
         self.metrics = PrometheusStatLogger(self.snapshots_available, **(metrics_kwargs or {}))
         sched = engine.scheduler
         self.metrics.watch_queue(lambda: sched.num_running, lambda: sched.num_waiting)
+        self.metrics.watch_requests(lambda rid: (st := engine.requests.get(rid)) and st.seq.params.snapshot_mode)
         self.thread = EngineThread(engine, num_threads, self.metrics)
         self.thread.start()
 

@@ -45,6 +45,8 @@ class StepStats:
     lookup_ms: float = 0.0
     step_ms: float = 0.0
     finished: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix KV cache this step
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was found in the cache (not recomputed)
 
 
 class LLMEngine:

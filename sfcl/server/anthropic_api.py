@@ -151,13 +151,14 @@ async def stream_frames(request: Request, rid: str, events: EngineEvents, first:
                 ev = ErrorEvent("engine stream ended without a result", "api_error")
                 continue
             elif isinstance(ev, TextDelta):
-                rlog.token_seen()
+                rlog.token_seen(ev.token_index)
                 if ev.text:
                     yield named_event("content_block_delta", {
                         "index": 0, "delta": {"type": "text_delta", "text": ev.text}})
             elif isinstance(ev, SnapshotEvent):
                 snap = snapshot_dict(ev)
                 rlog.snapshots += 1
+                rlog.token_seen(ev.token_index)
                 yield named_event("snapshot_triggered", snap, id=ev.snapshot_id)
             elif isinstance(ev, Finished):
                 rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms

@@ -6,6 +6,8 @@ Routes:
   GET  /v1/models[/{id}]     model list (OpenAI format; Anthropic format when the client sends
                              ``anthropic-version``)
   GET  /health               ``engine.health()`` + ``"status": "ok"`` (never needs the API key)
+  GET  /metrics              Prometheus exposition (``sfcl.metrics``)
+  GET  /dashboard[/data]     built-in live dashboard and its JSON (``sfcl.server.dashboard``)
 
 Usage::
 
@@ -25,6 +27,7 @@ from sfcl.engine.events import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
 from sfcl.server.common import check_api_key, setup_request_logger
+from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
 
@@ -105,5 +108,6 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
             raise ApiError(404, "this engine exports no metrics")
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_dashboard(app)
     install_openapi(app)
     return app

@@ -61,20 +61,24 @@ class EngineEvents:
     next call keeps waiting on it (the engine's iterator is never cancelled mid-read by a
     timeout). ``aclose()`` cancels a pending read and closes the iterator, shielded from the
     cancellation that a client disconnect delivers, so the engine always learns about it.
+
+    observer: optional callable given every event read, in order (the built-in dashboard's
+    ``StreamObserver``); its ``close()``, if any, is called by ``aclose()``.
     """
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Any, observer: Any = None):
         self._it: Any = source.__aiter__() if hasattr(source, "__aiter__") else source
         self._pending: asyncio.Future | None = None
         self._closed = False
+        self._observer = observer
 
     @classmethod
     async def open(cls, engine: EngineClient, prompt_ids: list[int], params: SamplingParams,
-                   request_id: str) -> "EngineEvents":
+                   request_id: str, observer: Any = None) -> "EngineEvents":
         source = engine.stream(prompt_ids, params, request_id=request_id)
         if inspect.isawaitable(source) and not hasattr(source, "__aiter__"):
             source = await source  # tolerate `async def stream(...) -> AsyncIterator`
-        return cls(source)
+        return cls(source, observer)
 
     async def next(self, timeout: float | None = None) -> Any:
         if self._closed:
@@ -86,14 +90,24 @@ class EngineEvents:
             return KEEPALIVE
         task, self._pending = self._pending, None
         try:
-            return task.result()
+            ev = task.result()
         except StopAsyncIteration:
             return None
+        if self._observer is not None:
+            try:
+                self._observer(ev)
+            except Exception:  # a dashboard bug must never break a response
+                log.exception("stream observer failed")
+                self._observer = None
+        return ev
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        close = getattr(self._observer, "close", None)
+        if close is not None:
+            close()
         with anyio.CancelScope(shield=True):
             if self._pending is not None:
                 pending, self._pending = self._pending, None
@@ -354,13 +368,15 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 def setup_request_logger() -> None:
-    """Send ``sfcl.requests`` lines to stdout (once), one bare JSON object per line."""
+    """Send ``sfcl.requests`` lines to stdout (once), one bare JSON object per line. A handler
+    attached earlier by the embedding application replaces stdout but still gets INFO lines."""
     if not request_log.handlers:
         handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         request_log.addHandler(handler)
-        request_log.setLevel(logging.INFO)
         request_log.propagate = False
+    if request_log.level == logging.NOTSET:
+        request_log.setLevel(logging.INFO)
 
 
 @dataclass
@@ -382,9 +398,13 @@ class RequestLog:
     _first_token_at: float | None = None
     _written: bool = False
 
-    def token_seen(self) -> None:
+    def token_seen(self, token_index: int | None = None) -> None:
+        """A text delta arrived; ``token_index`` (0-based, its last token) keeps
+        ``completion_tokens`` right when the stream ends before ``Finished`` (client gone)."""
         if self._first_token_at is None:
             self._first_token_at = time.perf_counter()
+        if token_index is not None:
+            self.completion_tokens = max(self.completion_tokens, token_index + 1)
 
     def write(self) -> None:
         if self._written:
@@ -437,16 +457,22 @@ async def start_generation(request: Request, prompt_ids: list[int], params: Samp
     """
     engine: EngineClient = request.app.state.engine
     events: EngineEvents | None = None
+    dashboard = getattr(request.app.state, "dashboard", None)
+    observer = dashboard.observer(request_id, params.tag, params.snapshot_mode) if dashboard else None
     try:
-        events = await EngineEvents.open(engine, prompt_ids, params, request_id)
+        events = await EngineEvents.open(engine, prompt_ids, params, request_id, observer)
         first = await events.next(wait_s)
     except EngineBusyError as e:
         if events is not None:
             await events.aclose()
+        elif observer is not None:
+            observer.close()
         raise busy_error(e.retry_after_s, openai) from None
     except BaseException:
         if events is not None:
             await events.aclose()
+        elif observer is not None:
+            observer.close()
         raise
     if isinstance(first, ErrorEvent):
         await events.aclose()
@@ -488,9 +514,10 @@ async def collect(request: Request, events: EngineEvents, first: Any, rlog: Requ
         elif isinstance(ev, Started):
             out.prompt_tokens = ev.prompt_tokens
         elif isinstance(ev, TextDelta):
-            rlog.token_seen()
+            rlog.token_seen(ev.token_index)
             parts.append(ev.text)
         elif isinstance(ev, SnapshotEvent):
+            rlog.token_seen(ev.token_index)
             out.snapshots.append(snapshot_dict(ev))
         elif isinstance(ev, Finished):
             out.finished = ev

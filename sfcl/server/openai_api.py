@@ -143,11 +143,12 @@ async def stream_frames(request: Request, rid: str, events: EngineEvents, first:
                 ev = ErrorEvent("engine stream ended without a result", "api_error")
                 continue
             elif isinstance(ev, TextDelta):
-                rlog.token_seen()
+                rlog.token_seen(ev.token_index)
                 if ev.text:
                     yield chunk({"content": ev.text})
             elif isinstance(ev, SnapshotEvent):
                 rlog.snapshots += 1
+                rlog.token_seen(ev.token_index)
                 yield chunk({}, sfcl_snapshot=snapshot_dict(ev))
             elif isinstance(ev, Finished):
                 rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms

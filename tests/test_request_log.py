@@ -1,0 +1,77 @@
+"""The JSON request log (sfcl.server.common.RequestLog): a client that disconnects mid-stream is
+logged with the tokens generated before it left, not 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+import pytest
+
+from sfcl.server.common import RequestLog
+from sfcl.server.testing import FakeEngine
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_token_seen_counts_up_to_the_last_token_index():
+    rlog = RequestLog("id", "/v1/messages")
+    rlog.token_seen(0)
+    rlog.token_seen(4)
+    rlog.token_seen(2)  # a snapshot about an earlier token never lowers the count
+    assert rlog.completion_tokens == 5
+
+
+@pytest.fixture
+def request_lines():
+    lines: list[dict] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            lines.append(json.loads(record.getMessage()))
+
+    grab = Grab()
+    logging.getLogger("sfcl.requests").addHandler(grab)
+    yield lines
+    logging.getLogger("sfcl.requests").removeHandler(grab)
+
+
+@pytest.mark.parametrize("route,is_text", [
+    ("/v1/messages", lambda line: line == "event: content_block_delta"),
+    ("/v1/chat/completions", lambda line: line.startswith("data: {") and '"content":"word' in line)])
+def test_disconnected_stream_logs_tokens_generated_so_far(serve, request_lines, route, is_text):
+    eng = FakeEngine(reply="word " * 300, token_delay_s=0.02)
+    url, _ = serve(eng)
+    body = {"model": "default", "max_tokens": 400, "messages": USER, "stream": True}
+    received = 0
+    with httpx.Client(timeout=10) as c, c.stream("POST", url + route, json=body) as r:
+        for line in r.iter_lines():
+            received += is_text(line)  # one text delta (one word token) per frame
+            if received == 5:
+                break
+    deadline = time.monotonic() + 10
+    while not request_lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request_lines, "no request log line"
+    line = request_lines[-1]
+    assert line["status"] == 499 and line["stop_reason"] is None
+    generated = eng.requests[0].generated
+    assert generated < 300  # the request really was cut short
+    # at least what the client got; at most what the engine made (one may be in flight, unread)
+    assert 5 <= line["completion_tokens"] <= generated, (line, generated)
+
+
+def test_disconnected_non_streaming_request_logs_tokens(serve, request_lines):
+    eng = FakeEngine(reply="word " * 300, token_delay_s=0.02)
+    url, _ = serve(eng)
+    body = {"model": "default", "max_tokens": 400, "messages": USER}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/messages", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not request_lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    line = request_lines[-1]
+    assert line["status"] == 499
+    assert 0 < line["completion_tokens"] <= eng.requests[0].generated < 300
