@@ -38,8 +38,6 @@ class StepStats:
 
     prefill_tokens: int = 0
     decode_batch: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # prompt tokens restored from it instead of computed
     generated: int = 0
     lookups: int = 0
     lookup_ms: float = 0.0
