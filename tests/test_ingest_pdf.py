@@ -201,3 +201,22 @@ def test_encrypted_and_corrupt_pdfs_are_reported(tmp_path: Path):
     d2.save(blank)
     res = ingest_file(blank, "blank.pdf", LengthPolicy())
     assert res.status == "empty" and "OCR" in res.error
+
+
+def test_bold_body_size_lines_are_headings(tmp_path: Path):
+    doc = pymupdf.open()
+    text = "The Recipient shall use the Confidential Information solely for the Purpose."
+    for n in (1, 2):
+        page = doc.new_page(width=W, height=H)
+        y = 120
+        for heading in (f"Obligations part {n}", f"Remedies part {n}"):
+            page.insert_text((LEFT, y), heading, fontname="hebo", fontsize=10)
+            page.insert_text((LEFT, y + 16), text, fontname="helv", fontsize=10)
+            page.insert_text((LEFT, y + 29), text, fontname="helv", fontsize=10)
+            y += 80
+    pdf = tmp_path / "bold.pdf"
+    doc.save(pdf)
+    res = ingest_file(pdf, "bold.pdf", LengthPolicy())
+    assert [(p.headings, p.page) for p in res.paragraphs] == [
+        (["Obligations part 1"], 1), (["Remedies part 1"], 1), (["Obligations part 2"], 2), (["Remedies part 2"], 2)]
+    assert all(p.text == f"{text} {text}" for p in res.paragraphs)

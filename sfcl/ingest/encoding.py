@@ -28,6 +28,7 @@ byte offsets (:attr:`Decoded.undecodable_offsets`); nothing is dropped silently.
 from __future__ import annotations
 
 import codecs
+import threading
 from dataclasses import dataclass, field
 
 __all__ = ["Decoded", "decode_bytes"]
@@ -73,29 +74,30 @@ class Decoded:
                 "undecodable_offsets": self.undecodable_offsets}
 
 
+_ERRORS = threading.local()  # the bad-byte spans seen by the current thread's decode call
+
+
+def _count_errors(exc: UnicodeError) -> tuple[str, int]:
+    if not isinstance(exc, UnicodeDecodeError):
+        raise exc
+    _ERRORS.spans.append((exc.start, exc.end))
+    return "\ufffd" * (exc.end - exc.start), exc.end
+
+
+codecs.register_error("sfcl-ingest-count", _count_errors)
+
+
 def _decode_counting(data: bytes, codec: str, base: int = 0) -> Decoded:
-    """Decode with U+FFFD per bad byte, recording the bad bytes' offsets (``base`` is added)."""
-    out: list[str] = []
+    """Decode with one U+FFFD per bad byte, recording the bad bytes' offsets (``base`` is added)."""
+    _ERRORS.spans = []
+    text = data.decode(codec, errors="sfcl-ingest-count")
+    count = sum(end - start for start, end in _ERRORS.spans)
     offsets: list[int] = []
-    count = 0
-    pos = 0
-    dec = codecs.getincrementaldecoder(codec)("strict")
-    while pos < len(data):
-        try:
-            out.append(dec.decode(data[pos:], final=True))
+    for start, end in _ERRORS.spans:
+        offsets.extend(range(base + start, base + min(end, start + MAX_OFFSETS - len(offsets))))
+        if len(offsets) >= MAX_OFFSETS:
             break
-        except UnicodeDecodeError as exc:
-            # exc.start/end are relative to the slice we passed in.
-            out.append(data[pos : pos + exc.start].decode(codec, errors="strict") if exc.start else "")
-            bad = max(1, exc.end - exc.start)
-            for i in range(bad):
-                if len(offsets) < MAX_OFFSETS:
-                    offsets.append(base + pos + exc.start + i)
-            count += bad
-            out.append("\ufffd" * bad)
-            pos += exc.start + bad
-            dec.reset()
-    return Decoded("".join(out), codec, "", False, count, offsets)
+    return Decoded(text, codec, "", False, count, offsets)
 
 
 def _utf8_stats(data: bytes) -> tuple[int, int]:
