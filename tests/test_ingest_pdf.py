@@ -220,3 +220,17 @@ def test_bold_body_size_lines_are_headings(tmp_path: Path):
     assert [(p.headings, p.page) for p in res.paragraphs] == [
         (["Obligations part 1"], 1), (["Remedies part 1"], 1), (["Obligations part 2"], 2), (["Remedies part 2"], 2)]
     assert all(p.text == f"{text} {text}" for p in res.paragraphs)
+
+
+def test_bold_paragraph_is_body_not_heading(tmp_path: Path):
+    words = ("IN NO EVENT SHALL EITHER PARTY BE LIABLE FOR ANY INDIRECT OR CONSEQUENTIAL DAMAGES "
+             "ARISING OUT OF THIS AGREEMENT, EVEN IF ADVISED OF THE POSSIBILITY OF SUCH DAMAGES. ") * 2
+    doc = pymupdf.open()
+    page = doc.new_page(width=W, height=H)
+    page.insert_text((LEFT, 100), "Limitation of Liability", fontname="hebo", fontsize=14)
+    for i, ln in enumerate(_wrap(words, "hebo", 10, RIGHT - LEFT, hyphenate=False)):
+        page.insert_text((LEFT, 130 + 13 * i), ln, fontname="hebo", fontsize=10)
+    pdf = tmp_path / "caps.pdf"
+    doc.save(pdf)
+    res = ingest_file(pdf, "caps.pdf", LengthPolicy())
+    assert [(p.text, p.headings) for p in res.paragraphs] == [(words.strip(), ["Limitation of Liability"])]

@@ -18,7 +18,8 @@ bounding boxes, in PDF points):
 3. Headings: lines in a font at least 1 pt larger than the body font (the most common size,
    weighted by characters), ranked by size (largest = rank 1); then short all-bold lines at body
    size (one rank deeper); then single-line paragraphs matching the numbered patterns of
-   :func:`~sfcl.ingest.clean.heading_rank`.
+   :func:`~sfcl.ingest.clean.heading_rank`. A run of more than three such lines (or over 200
+   characters) is an emphasised paragraph, not a heading.
 
 Raises :class:`PdfError` for encrypted or unreadable files.
 """
@@ -252,6 +253,8 @@ def pdf_blocks(data: bytes, drops: DropLog) -> tuple[list[Block], int]:
     for lines, lvl in merged:
         text = join_lines([l.text for l in lines], vocab)
         page = lines[0].page
+        if lvl is not None and (len(lines) > 3 or len(text) > 200):
+            lvl = None  # a whole paragraph set in bold or large type is emphasis, not a heading
         if lvl is not None:
             blocks.append(Block(text, page, heading_rank=lvl))
         elif len(lines) == 1 and (rank := heading_rank(text)) is not None:
