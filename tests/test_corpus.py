@@ -363,3 +363,57 @@ def test_real_contractnli_dev():
     # any other files there (e.g. a NOTICE.md) are read as separate documents.
     via_dir = read_corpus([CONTRACTNLI_DEV.parent])
     assert [d for d in via_dir if d.meta["format"] == "contractnli"] == docs
+
+
+# --------------------------------------------------------------------------- sfcl ingest output
+
+
+def _ingest_dir(root: Path, records: list[dict], fmt: str = "sfcl-ingest") -> Path:
+    root.mkdir()
+    (root / "report.json").write_text(
+        json.dumps({"format": fmt, "paragraph_separator": "\n\n", "files": [], "totals": {}}), encoding="utf-8")
+    (root / "paragraphs.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return root
+
+
+def test_ingest_dir_groups_paragraphs_by_doc_id(tmp_path: Path):
+    recs = [
+        {"doc_id": "a.pdf", "para_index": 0, "text": "First paragraph.", "headings": ["ARTICLE 5"], "page": 1,
+         "source": "/in/a.pdf", "char_start": 0, "char_end": 16},
+        {"doc_id": "a.pdf", "para_index": 1, "text": "Second one.", "headings": ["ARTICLE 5", "5.2 Term"],
+         "page": 2, "source": "/in/a.pdf", "char_start": 18, "char_end": 29},
+        {"doc_id": "b.txt", "para_index": 0, "text": "保密义务五年。", "headings": [], "page": None,
+         "source": "/in/b.txt", "char_start": 0, "char_end": 7},
+    ]
+    d = _ingest_dir(tmp_path / "ingested", recs)
+    docs = read_corpus([d])
+    assert [x.doc_id for x in docs] == ["a.pdf", "b.txt"]
+    assert docs[0].text == "First paragraph.\n\nSecond one."
+    assert docs[0].source == str(d / "paragraphs.jsonl")
+    assert docs[0].meta["format"] == "sfcl-ingest" and docs[0].meta["source_file"] == "/in/a.pdf"
+    assert docs[0].meta["paragraphs"][1] == {"char_start": 18, "char_end": 29,
+                                             "headings": ["ARTICLE 5", "5.2 Term"], "page": 2}
+    for rec in recs[:2]:
+        assert docs[0].text[rec["char_start"] : rec["char_end"]] == rec["text"]
+    assert docs[1].text == "保密义务五年。"
+    # The same directory named twice is a duplicate, as for any other input.
+    with pytest.raises(CorpusError, match="duplicate document id 'a.pdf'"):
+        read_corpus([d, d])
+
+
+def test_ingest_dir_bad_record(tmp_path: Path):
+    d = _ingest_dir(tmp_path / "bad", [{"text": "no doc id"}])
+    with pytest.raises(CorpusError, match=r"paragraphs\.jsonl:1: expected an ingest record"):
+        read_corpus([d])
+
+
+def test_directory_with_other_report_json_is_read_as_before(tmp_path: Path):
+    # Without "format": "sfcl-ingest" the directory is walked as usual: report.json is then a
+    # (malformed) ContractNLI file and paragraphs.jsonl plain JSONL.
+    d = _ingest_dir(tmp_path / "other", [{"doc_id": "a", "text": "x"}], fmt="something-else")
+    with pytest.raises(CorpusError, match=r"report\.json: missing or non-list 'documents'"):
+        read_corpus([d])
+    (d / "report.json").unlink()
+    (docs,) = read_corpus([d])
+    assert docs.doc_id == "paragraphs.jsonl:1" and docs.meta["format"] == "jsonl"

@@ -16,7 +16,12 @@ The module provides:
     ``documents``. Texts are kept byte-for-byte so that ContractNLI span offsets
     still apply;
   - ``.jsonl``: one JSON object per line, ``{"text": ..., "id"?: ...,
-    "meta"?: {...}}``. SFCL's ingest command writes this format;
+    "meta"?: {...}}``;
+  - an ``sfcl ingest`` output directory (``report.json`` with ``"format":
+    "sfcl-ingest"`` next to ``paragraphs.jsonl``): its paragraph records are
+    grouped back into one document per ``doc_id``, in order, the paragraphs
+    joined by the report's ``paragraph_separator``; the record offsets
+    ``char_start``/``char_end`` index that text;
 
 * :func:`corpus_hash`, an order-sensitive fingerprint of a list of documents
   that goes into anchor-store manifests;
@@ -123,7 +128,9 @@ def read_corpus(paths: Sequence[str | os.PathLike[str]]) -> list[Document]:
     seen: dict[str, str] = {}
     for raw in paths:
         root = Path(raw)
-        if root.is_dir():
+        if root.is_dir() and _is_ingest_dir(root):
+            entries = [(None, root)]
+        elif root.is_dir():
             entries = [(_rel_id(f, root), f) for f in _walk(root)]
         elif root.is_file():
             if root.suffix.lower() not in SUPPORTED_SUFFIXES:
@@ -137,7 +144,7 @@ def read_corpus(paths: Sequence[str | os.PathLike[str]]) -> list[Document]:
         else:
             raise CorpusError(f"{root}: no such file or directory")
         for file_id, path in entries:
-            for doc in _read_file(path, file_id):
+            for doc in _read_ingest_dir(path) if file_id is None else _read_file(path, file_id):
                 if doc.doc_id in seen:
                     raise CorpusError(
                         f"duplicate document id {doc.doc_id!r} from {doc.source} "
@@ -269,6 +276,44 @@ def _read_jsonl(path: Path, file_id: str) -> list[Document]:
             continue
         doc_id = str(rec_id) if rec_id is not None else f"{file_id}:{lineno}"
         meta = {"format": "jsonl", "line": lineno, **user_meta}
+        docs.append(Document(doc_id=doc_id, text=text, source=str(path), meta=meta))
+    return docs
+
+
+def _is_ingest_dir(root: Path) -> bool:
+    report = root / "report.json"
+    if not (report.is_file() and (root / "paragraphs.jsonl").is_file()):
+        return False
+    try:
+        return json.loads(report.read_text(encoding="utf-8")).get("format") == "sfcl-ingest"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _read_ingest_dir(root: Path) -> list[Document]:
+    """One document per ``doc_id`` of an ``sfcl ingest`` output directory, in first-seen order."""
+    sep = json.loads(_decode(root / "report.json")).get("paragraph_separator", "\n\n")
+    path = root / "paragraphs.jsonl"
+    groups: dict[str, list[dict]] = {}
+    for lineno, line in enumerate(_decode(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
+        if not (isinstance(rec, dict) and isinstance(rec.get("text"), str)
+                and isinstance(rec.get("doc_id"), str)):
+            raise CorpusError(f"{path}:{lineno}: expected an ingest record with string 'doc_id' and 'text'")
+        groups.setdefault(rec["doc_id"], []).append(rec)
+    docs: list[Document] = []
+    for doc_id, recs in groups.items():
+        text = sep.join(r["text"] for r in recs)
+        if not text.strip():
+            continue
+        meta = {"format": "sfcl-ingest", "source_file": recs[0].get("source"),
+                "paragraphs": [{k: r.get(k) for k in ("char_start", "char_end", "headings", "page")}
+                               for r in recs]}
         docs.append(Document(doc_id=doc_id, text=text, source=str(path), meta=meta))
     return docs
 
