@@ -66,7 +66,6 @@ def test_keyword_boost_rules_are_validated():
 
 def test_plain_library_loads_and_is_never_written_into(nda_library, tmp_path):
     assert not is_root(nda_library.path) and resolve_library_dir(nda_library.path) == nda_library.path
-    assert nda_library.keyword_boost == [] or isinstance(nda_library.keyword_boost[0], KeywordBoost)
     with pytest.raises(FileExistsError, match="plain"):
         write_version(nda_library.path, small(nda_library), command="t")
     (tmp_path / "junk").mkdir()
@@ -108,4 +107,24 @@ def test_concurrent_writers_get_distinct_versions(nda_library, tmp_path):
         t.join()
     assert not errors and sorted(p.name for p in paths) == ["v0001", "v0002", "v0003", "v0004"]
     assert sorted(v.n_anchors for v in list_versions(root)) == [8, 9, 10, 11]
+    assert (root / CURRENT_FILE).read_text().strip() == "v0004"  # never moved backwards
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_manifest_without_lifecycle_fields_still_loads(nda_library, tmp_path):
+    """Libraries written before versions/boost (no keyword_boost, content_hash, version) load."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(nda_library.path, old)
+    m = json.loads((old / "manifest.json").read_text())
+    want = load_library(nda_library.path).content_hash
+    for key in ("keyword_boost", "content_hash", "version"):
+        m.pop(key, None)
+    (old / "manifest.json").write_text(json.dumps(m))
+    lib = load_library(old)
+    assert lib.keyword_boost == [] and lib.content_hash == want and lib.n_anchors == nda_library.n_anchors
+    m["keyword_boost"] = [{"keywords": ["x"], "kinds": ["domain"], "multiplier": -1}]
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(AnchorLibraryError, match="keyword_boost"):
+        load_library(old)

@@ -13,12 +13,13 @@ cosine >= 0.92 (193 left) and added them as domain anchors of weight 0.3. This m
 3. **Anchor vector**: the serving model (same fingerprint as the library, else refused) runs over
    the clause alone; the anchor is the snapshot layer's residual state at the clause's **last
    token**, unit-normalised, and its next-token distribution the model's top-K at that position
-   (the builder's pairing of one position's state with that position's prediction). Measured on
-   the NDA library (SmolLM2-135M, layer 22): mean-pooling the clause's states instead gives
-   vectors near the library mean (raw cosine ~0.9 to their 5 nearest anchors whatever the
-   clause is about, and only ~0.5 after centring), so near-duplicates of library content could
-   not be told apart from unrelated clauses; the last-token state separates them (centred cosine
-   0.82-0.87 for clauses copied from the library's NDAs). Count = 1; decay = the library's median
+   (the builder's pairing of one position's state with that position's prediction). It is a
+   real single-position state, the kind a snapshot lookup queries with, and a clause that copies
+   a stretch of the library's text from its start reproduces that position's state (cosine > 0.97
+   to its anchor, tests/test_anchor_conflicts.py). Mean-pooling the clause's states instead gave
+   vectors near the library mean (raw cosine 0.87-0.90 to their 5 nearest NDA anchors whatever
+   the clause was about). Limitation, measured on the NDA library (SmolLM2-135M, layer 22): the
+   last-token state reflects the position type (a sentence end) more than the clause's content.
    general-anchor decay (the builder gives single-position anchors the median spread) unless
    ``--decay`` is given.
 4. New anchors get ``kind=domain``, the given ``weight`` and their clause text as span (doc id
@@ -54,7 +55,7 @@ def parse_clauses(raw: str) -> list[Clause]:
     for m in re.finditer(pattern, raw):
         text = " ".join(m.group(0).split())
         if text:
-            out.append(Clause(text, m.start(), m.end()))
+            out.append(Clause(text, m.start(), m.start() + len(m.group(0).rstrip())))
     if not out:
         raise ValueError("the clause file has no text")
     return out

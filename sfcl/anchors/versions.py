@@ -16,7 +16,8 @@ Layout::
 Every write creates the next ``vNNNN`` (a directory rename, so a half-written version never
 appears) and then replaces ``CURRENT`` atomically (temp file + ``os.replace``): a reader sees the
 old or the new version, never a mix. Two concurrent writers get different numbers (the second
-rename fails and it takes the next one). ``load_library(ROOT)`` opens the version ``CURRENT``
+rename fails and it takes the next one), and CURRENT only moves forward (flock on the root).
+Rolling back is :func:`set_current` (or writing CURRENT by hand): only the pointer moves. ``load_library(ROOT)`` opens the version ``CURRENT``
 names; ``load_library(ROOT/v0002)`` opens that version; a plain library directory (the format
 before versions) loads as before and can be the parent of a new root.
 """
@@ -38,6 +39,8 @@ from sfcl.anchors.store import (KIND_NAMES, MANIFEST_FILE, AnchorLibrary, Anchor
 
 CURRENT_FILE = "CURRENT"
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
+# what a root may hold: the pointer, versions, and the temporaries of writes in progress
+_ROOT_ENTRY = re.compile(r"^(CURRENT|v\d{4,}|\.v\d{4,}\.tmp-.*|\.CURRENT\.tmp-.*)$")
 _TENSOR_FIELDS = ("vectors", "counts", "weights", "decay", "next_ids", "next_probs", "kinds",
                   "span_doc", "span_start", "span_end")
 _INHERITED = ("model_fingerprint", "model_name", "layer", "build", "corpus_hash", "calibration",
@@ -100,6 +103,23 @@ def set_current(root, name: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _advance_current(root: Path, n: int) -> None:
+    """Point CURRENT at version ``n`` unless a concurrent writer already made a newer one current
+    (check and replace under an exclusive flock on the root directory, so CURRENT never goes
+    backwards)."""
+    import fcntl
+
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cur = resolve_library_dir(root) if (root / CURRENT_FILE).is_file() else None
+        m = _VERSION_DIR.match(cur.name) if cur is not None else None
+        if m is None or int(m.group(1)) < n:
+            set_current(root, f"v{n:04d}")
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +231,7 @@ def write_version(out, fields: dict, *, command: str, parent: AnchorLibrary | Pa
     if (root / MANIFEST_FILE).exists():
         raise FileExistsError(f"{root} is a plain (unversioned) anchor library and is never modified; "
                               "give --out a new directory or a versioned library root")
-    if root.is_dir() and any(root.iterdir()) and not is_root(root):
+    if root.is_dir() and not all(_ROOT_ENTRY.match(p.name) for p in root.iterdir()):
         raise FileExistsError(f"{root} is a non-empty directory but not an anchor-library root; "
                               "give --out a new directory or a versioned library root")
     root.mkdir(parents=True, exist_ok=True)
@@ -239,7 +259,7 @@ def write_version(out, fields: dict, *, command: str, parent: AnchorLibrary | Pa
             if (root / name).exists():  # another writer took this number
                 continue
             raise
-        set_current(root, name)
+        _advance_current(root, n)
         return path
     raise FileExistsError(f"could not allocate a new version directory under {root}")
 
