@@ -82,7 +82,8 @@ def test_coverage_gap_from_a_serve_log(versions, tmp_path, capsys):
                                  "outcome": "error" if i == 1 else "correct",
                                  "prompt": f"what does {covered} owe under Section 99.7(z) to Zanzibar Quarry Works?"}))
     log.write_text("\n".join(lines) + "\n")
-    assert main(["anchors", "health", str(v1.path), str(v1.path), "--traffic", str(log), "--out", str(tmp_path / "r")]) == 0
+    argv = ["anchors", "health", str(v1.path), str(v1.path), "--traffic", str(log), "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
     rep = json.loads((tmp_path / "r" / "health.json").read_text())
     assert rep["traffic"] == {"path": str(log), "records": 4, "skipped_lines": 1}
     assert rep["trigger_precision"]["precision"] == pytest.approx(0.5)  # r1 error, r3 correct

@@ -153,7 +153,8 @@ class InjectResult:
 
 
 def inject(lib: AnchorLibrary, lm, clauses: list[Clause], *, weight: float = 0.3, decay: float | None = None,
-           dedupe_threshold: float = 0.92, encoder=None, source: str = "clauses", progress: bool = True) -> InjectResult:
+           dedupe_threshold: float = 0.92, encoder=None, source: str = "clauses",
+           progress: bool = True) -> InjectResult:
     """Add de-duplicated ``clauses`` to ``lib`` as domain anchors (module docstring).
 
     Raises AnchorLibraryError if ``lm``'s fingerprint differs from the library's; ValueError for
@@ -189,7 +190,8 @@ def inject(lib: AnchorLibrary, lm, clauses: list[Clause], *, weight: float = 0.3
         "counts": torch.tensor([r["count"] for r in rows], dtype=torch.int32),
         "weights": torch.full((m,), float(weight)),
         "decay": torch.full((m,), float(decay)),
-        "next_ids": torch.stack([r["next_ids"] for r in rows]) if m else torch.zeros(0, lib.top_k_next, dtype=torch.int64),
+        "next_ids": (torch.stack([r["next_ids"] for r in rows]) if m
+                     else torch.zeros(0, lib.top_k_next, dtype=torch.int64)),
         "next_probs": torch.stack([r["next_probs"] for r in rows]) if m else torch.zeros(0, lib.top_k_next),
         "kinds": torch.ones(m, dtype=torch.uint8),
         "span_doc": torch.zeros(m, dtype=torch.int32),

@@ -17,9 +17,10 @@ Every write creates the next ``vNNNN`` (a directory rename, so a half-written ve
 appears) and then replaces ``CURRENT`` atomically (temp file + ``os.replace``): a reader sees the
 old or the new version, never a mix. Two concurrent writers get different numbers (the second
 rename fails and it takes the next one), and CURRENT only moves forward (flock on the root).
-Rolling back is :func:`set_current` (or writing CURRENT by hand): only the pointer moves. ``load_library(ROOT)`` opens the version ``CURRENT``
-names; ``load_library(ROOT/v0002)`` opens that version; a plain library directory (the format
-before versions) loads as before and can be the parent of a new root.
+Rolling back is :func:`set_current` (or writing CURRENT by hand): only the pointer moves.
+``load_library(ROOT)`` opens the version ``CURRENT`` names; ``load_library(ROOT/v0002)`` opens
+that version; a plain library directory (the format before versions) loads as before and can be
+the parent of a new root.
 """
 
 from __future__ import annotations
