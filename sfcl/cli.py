@@ -196,7 +196,9 @@ def cmd_anchors_build(a) -> int:
                     cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
     cfg = BuildConfig(n_anchors=a.n_anchors, layer=a.layer, seed=a.seed, window_tokens=a.window_tokens,
                       max_points=a.max_points)
-    path = build_library(lm, docs, a.out, cfg)
+    from sfcl.anchors.versions import describe_command
+
+    path = build_library(lm, docs, a.out, cfg, versioned=True, command=describe_command(a))
     from sfcl.anchors.store import load_library
 
     lib = load_library(path)
@@ -262,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
     b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)
-    b.add_argument("corpus", nargs="+", help=".txt/.md files, directories, ContractNLI .json or .jsonl")
-    b.add_argument("--out", required=True, help="new library directory (must not exist or be empty)")
+    b.add_argument("corpus", nargs="+", help=".txt/.md files, directories, ContractNLI .json or .jsonl, or an `sfcl ingest` output directory")
+    b.add_argument("--out", required=True,
+                   help="library root: a new directory (becomes ROOT/v0001 + CURRENT) or an existing root "
+                        "(the build becomes its next version)")
     b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")
     b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
     b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
@@ -272,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     _add_model_flags(b)
     b.set_defaults(fn=cmd_anchors_build)
+    from sfcl.anchors.lifecycle_cli import add_parsers as _add_lifecycle; _add_lifecycle(asub)  # noqa: E702
     return ap
 
 

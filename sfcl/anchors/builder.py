@@ -200,15 +200,22 @@ def _spread(col: _Collected, counts: torch.Tensor, mean_sim: torch.Tensor, seed:
     return torch.where(multi, spread, torch.full_like(spread, fill))
 
 
-def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = None, progress: bool = True) -> Path:
+def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = None, progress: bool = True,
+                  versioned: bool = False, command: str = "") -> Path:
     """Build an anchor library for ``lm`` (a ``LoadedModel``) from ``docs`` into ``out_dir``.
 
-    Raises ValueError for an empty corpus or bad settings, FileExistsError if out_dir is a
-    non-empty directory. Returns the library path.
+    ``versioned``: ``out_dir`` is a library root and the library becomes its next version
+    (``sfcl.anchors.versions``; ``command`` is recorded in the lineage); otherwise ``out_dir`` is
+    a plain library directory. Raises ValueError for an empty corpus or bad settings,
+    FileExistsError if out_dir is a non-empty directory (versioned: one that is not a root).
+    Returns the library (version) path.
     """
+    from sfcl.anchors.versions import is_root, write_version
+
     cfg = cfg or BuildConfig()
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # fail before the model pass
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (versioned and is_root(out)):
+        # fail before the model pass
         raise FileExistsError(f"{out} already exists and is not empty; anchor libraries are immutable, "
                               "write a new version directory instead")
     layer = default_layer(lm.args.n_layers) if cfg.layer is None else cfg.layer
@@ -232,8 +239,10 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         "share_dispersion_z1.2": float(((col.d3 - col.d3.mean()) > 1.2 * col.d3.std()).mean()),
         "share_next_prob_below_0.85": float((np.exp(-col.surprisal) < 0.85).mean()),
     }
-    path = save_library(
-        out_dir, vectors=cent[idx], counts=counts[idx], weights=torch.ones(len(idx)),
+    save = (lambda **f: write_version(out_dir, f, command=command)) if versioned else \
+        (lambda **f: save_library(out_dir, **f))
+    path = save(
+        vectors=cent[idx], counts=counts[idx], weights=torch.ones(len(idx)),
         decay=LN2 / spread[idx], next_ids=nid[idx], next_probs=npb[idx],
         kinds=torch.zeros(len(idx), dtype=torch.uint8), span_doc=torch.from_numpy(col.doc[r].astype(np.int64)),
         span_start=torch.from_numpy(col.span_start[r].astype(np.int64)),

@@ -15,7 +15,13 @@ A library is an immutable directory::
     spans.json           {"docs": [doc_id, ...], "texts": [span text per anchor, <= 300 chars]}
     manifest.json        format, format_version, model_fingerprint, model_name, layer,
                          hidden_size, n_anchors, top_k_next, build, corpus_hash, calibration,
-                         created, files {name: sha256hex}
+                         created, files {name: sha256hex}, content_hash (sha256 over the two
+                         data-file hashes), keyword_boost (rule list, optional, default []),
+                         version (lineage record of a versioned write, optional; see
+                         ``sfcl.anchors.versions``)
+
+``path`` may also be a versioned library root (``ROOT/CURRENT`` naming ``ROOT/vNNNN``):
+:func:`load_library` then opens the current version (``sfcl.anchors.versions``).
 
 Data lives on the CPU. Loaded tensors are zero-copy views of a private (copy-on-write) memory map
 of ``anchors.safetensors``: treat them as read-only; writing would only dirty process pages, never
@@ -55,6 +61,74 @@ _FIELDS = tuple(_SCHEMA)
 
 class AnchorLibraryError(Exception):
     """A library directory is missing, damaged, of another format, or built for another model."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeywordBoost:
+    """One library-level keyword-boost rule, applied at snapshot time.
+
+    When the request text contains any of ``keywords`` (case-insensitive substring match, so
+    "indemnif" matches "Indemnification"), anchors whose kind is in ``kinds`` ("general",
+    "domain") have their weight multiplied by ``multiplier`` (> 0; 1.5 = the seed's 1.5x).
+    Several matching rules multiply. Stored in the manifest as
+    ``{"keywords": [...], "kinds": [...], "multiplier": 1.5}``.
+    """
+
+    keywords: tuple[str, ...]
+    kinds: tuple[str, ...]
+    multiplier: float
+
+    def __post_init__(self) -> None:
+        if not self.keywords or not all(isinstance(k, str) and k.strip() for k in self.keywords):
+            raise ValueError("keyword_boost: 'keywords' must be a non-empty list of non-empty strings")
+        if not self.kinds or any(k not in KIND_NAMES for k in self.kinds):
+            raise ValueError(f"keyword_boost: 'kinds' must be a non-empty list of {KIND_NAMES}")
+        m = self.multiplier
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 < m < float("inf")):
+            raise ValueError(f"keyword_boost: 'multiplier' must be a finite number > 0, got {m!r}")
+
+    def matches(self, text: str) -> bool:
+        """True if ``text`` contains one of the keywords (case-insensitive)."""
+        low = text.lower()
+        return any(k.lower() in low for k in self.keywords)
+
+    def to_json(self) -> dict:
+        return {"keywords": list(self.keywords), "kinds": list(self.kinds),
+                "multiplier": float(self.multiplier)}
+
+
+def parse_keyword_boost(obj) -> list[KeywordBoost]:
+    """Validate a rule list (the manifest's ``keyword_boost`` or a ``--rules`` file).
+
+    Raises ValueError naming the bad rule."""
+    if obj is None:
+        return []
+    if not isinstance(obj, list):
+        raise ValueError("keyword_boost must be a JSON list of rules")
+    rules = []
+    for i, r in enumerate(obj):
+        if not isinstance(r, dict) or set(r) - {"keywords", "kinds", "multiplier"}:
+            raise ValueError(f"keyword_boost rule {i}: expected an object with keys keywords, kinds, "
+                             f"multiplier, got {r!r}")
+        kw, kinds = r.get("keywords"), r.get("kinds", ["domain"])
+        if isinstance(kw, str) or isinstance(kinds, str) or not isinstance(kw, list) \
+                or not isinstance(kinds, list):
+            raise ValueError(f"keyword_boost rule {i}: 'keywords' and 'kinds' must be lists")
+        try:
+            rules.append(KeywordBoost(tuple(kw), tuple(kinds), r.get("multiplier")))
+        except ValueError as e:
+            raise ValueError(f"rule {i}: {e}") from None
+    return rules
+
+
+def kind_multipliers(rules: list[KeywordBoost], text: str) -> dict[str, float]:
+    """Weight multiplier per anchor kind for a request ``text``: product over matching rules."""
+    out = {k: 1.0 for k in KIND_NAMES}
+    for r in rules:
+        if r.matches(text):
+            for k in r.kinds:
+                out[k] *= float(r.multiplier)
+    return out
 
 
 @dataclass
@@ -109,6 +183,16 @@ class AnchorLibrary:
         return {"doc_id": self.doc_ids[int(self.span_doc[i])], "start": int(self.span_start[i]),
                 "end": int(self.span_end[i]), "text": self.span_texts[i]}
 
+    @property
+    def keyword_boost(self) -> list[KeywordBoost]:
+        """Library-level keyword-boost rules (validated at load; [] for older libraries)."""
+        return parse_keyword_boost(self.manifest.get("keyword_boost"))
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 over the data files' hashes: equal for libraries with identical content."""
+        return self.manifest.get("content_hash") or content_hash(self.manifest["files"])
+
     def kind_name(self, i: int) -> str:
         """"general" or "domain" for anchor ``i``."""
         return KIND_NAMES[int(self.kinds[i])]
@@ -126,6 +210,11 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def content_hash(files: dict) -> str:
+    """Hash identifying a library's content: sha256 of the tensor and span file hashes."""
+    return hashlib.sha256(f"{files.get(TENSORS_FILE)}:{files.get(SPANS_FILE)}".encode()).hexdigest()
+
+
 def _as(name: str, x, dtype: torch.dtype) -> torch.Tensor:
     t = torch.as_tensor(x)
     if dtype.is_floating_point != t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -137,13 +226,16 @@ def _as(name: str, x, dtype: torch.dtype) -> torch.Tensor:
 def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_probs, kinds,
                  span_doc, span_start, span_end, span_texts: list[str], doc_ids: list[str],
                  model_fingerprint: str, model_name: str, layer: int, build: dict,
-                 corpus_hash: str, calibration: dict) -> Path:
+                 corpus_hash: str, calibration: dict, keyword_boost: list | None = None,
+                 version: dict | None = None) -> Path:
     """Write a new library directory ``out_dir`` and return its path.
 
     Array arguments may be tensors or numpy arrays of any float (resp. integer) dtype; they are
     cast to the format dtypes. ``vectors`` (N, D) is L2-normalised (in float32) before the float16
     cast. ``next_ids``/``next_probs`` are (N, K); the rest are (N,). ``span_texts`` has N strings
-    (cut to 300 chars); ``span_doc`` indexes ``doc_ids``.
+    (cut to 300 chars); ``span_doc`` indexes ``doc_ids``. ``keyword_boost`` is a rule list
+    (:class:`KeywordBoost` objects or their JSON dicts); ``version`` the lineage record that
+    ``sfcl.anchors.versions.write_version`` passes (stored as the manifest's ``version``).
 
     Raises ValueError on wrong shapes/dtypes/values (zero vector, kind not 0/1, decay <= 0,
     span_doc out of range, next_ids < -1); FileExistsError if ``out_dir`` exists and is not an
@@ -185,6 +277,8 @@ def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_pro
     if len(span_texts) != n or not all(isinstance(s, str) for s in span_texts):
         raise ValueError(f"span_texts: expected {n} strings, got {len(span_texts)} items")
     spans = {"docs": [str(x) for x in doc_ids], "texts": [s[:MAX_SPAN_CHARS] for s in span_texts]}
+    boost = [r.to_json() for r in parse_keyword_boost(
+        [r.to_json() if isinstance(r, KeywordBoost) else r for r in (keyword_boost or [])])]
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -200,6 +294,10 @@ def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_pro
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": {f: _sha256(tmp / f) for f in (TENSORS_FILE, SPANS_FILE)},
         }
+        manifest["content_hash"] = content_hash(manifest["files"])
+        manifest["keyword_boost"] = boost
+        if version is not None:
+            manifest["version"] = dict(version)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
         # mkdtemp makes 0700; a library is a shared read-only artefact: honour the umask instead
         umask = os.umask(0)
@@ -241,9 +339,12 @@ def load_library(path, *, expect_fingerprint: str | None = None,
     Raises AnchorLibraryError on: missing directory/files, invalid JSON, other format or
     format_version, sha256 mismatch (damaged or truncated file), unreadable safetensors header,
     missing tensors, dtype/shape inconsistent with the manifest (N, D, K), span lists of the
-    wrong length, model fingerprint mismatch, hidden size mismatch.
+    wrong length, model fingerprint mismatch, hidden size mismatch, invalid keyword_boost, a
+    version root whose CURRENT pointer is damaged.
     """
-    path = Path(path)
+    from sfcl.anchors.versions import resolve_library_dir
+
+    path = resolve_library_dir(Path(path))
     if not path.is_dir():
         raise AnchorLibraryError(f"anchor library directory {path} does not exist; build one "
                                  "with `sfcl anchors build` or fix the configured path")
@@ -308,6 +409,11 @@ def load_library(path, *, expect_fingerprint: str | None = None,
     if n and (int(sd.max()) >= len(docs) or int(sd.min()) < 0):
         raise AnchorLibraryError(f"{tf}: span_doc indexes outside the {len(docs)} docs in "
                                  f"{sp_path}; {_REBUILD}")
+    try:
+        parse_keyword_boost(m.get("keyword_boost"))
+    except ValueError as e:
+        raise AnchorLibraryError(f"{mf_path}: invalid keyword_boost ({e}); fix the rules with "
+                                 "`sfcl anchors boost`") from e
     return AnchorLibrary(path=path, manifest=m, span_texts=texts, doc_ids=docs, **tensors)
 
 
