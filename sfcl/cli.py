@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="random seed of the client mix")
     k.set_defaults(fn=cmd_soak)
 
+    from sfcl.bench.run import add_parser as add_bench; add_bench(sub)  # sfcl bench
+
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
     b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)
