@@ -149,8 +149,7 @@ def test_short_prompts_deterministic_varied_and_tagged():
 
 
 def test_long_document_from_contractnli():
-    from tests.conftest import CONTRACTNLI
-
+    CONTRACTNLI = workloads.CONTRACTNLI_DEV
     if not CONTRACTNLI.is_file():
         pytest.skip("ContractNLI data not available")
     d0 = workloads.long_document(CONTRACTNLI, 4000, 4, index=0)

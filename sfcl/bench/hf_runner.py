@@ -9,7 +9,8 @@ longest one. Times per step come from a ``StoppingCriteria`` that only records
 ``time.monotonic()`` (it is called once per generated token position, after the logits are
 sampled). With ``ignore_eos`` every row generates exactly ``max_tokens`` (``min_new_tokens``);
 without it a row's tokens end at its first EOS. Greedy decoding, KV cache on (transformers'
-default ``DynamicCache``), SDPA attention, weights dequantised from the same GGUF.
+default ``DynamicCache``), SDPA attention (``attn``: "eager" to compare), weights dequantised from
+the same GGUF (see ``load``).
 Device: ``--device`` of the spec (CPU or CUDA); on CUDA ``torch.cuda.max_memory_allocated`` per job.
 """
 
@@ -23,22 +24,61 @@ from pathlib import Path
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
+def hf_state_dict(model, args) -> dict:
+    """transformers-style state dict (``model.layers.N.self_attn.q_proj.weight`` ...) from our
+    ``LlamaModel``: the inverse of ``sfcl.model.llama.load_weights`` (un-fuses qkv and gate/up)."""
+    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+          "lm_head.weight": model.lm_head.weight}
+    for i, blk in enumerate(model.layers):
+        p, at = f"model.layers.{i}.", blk.self_attn
+        for n, w in zip("qkv", at.qkv_proj.weight.split([q_out, kv_out, kv_out], 0)):
+            sd[p + f"self_attn.{n}_proj.weight"] = w
+        if args.attention_bias:
+            for n, b in zip("qkv", at.qkv_proj.bias.split([q_out, kv_out, kv_out], 0)):
+                sd[p + f"self_attn.{n}_proj.bias"] = b
+        if args.qk_norm:
+            sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = at.q_norm.weight, at.k_norm.weight
+        sd[p + "self_attn.o_proj.weight"] = at.o_proj.weight
+        gate, up = blk.mlp.gate_up_proj.weight.chunk(2, 0)
+        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate, up
+        sd[p + "mlp.down_proj.weight"] = blk.mlp.down_proj.weight
+        sd[p + "input_layernorm.weight"] = blk.input_layernorm.weight
+        sd[p + "post_attention_layernorm.weight"] = blk.post_attention_layernorm.weight
+    return {k: v.detach() for k, v in sd.items()}
+
+
 def load(spec: dict):
+    """(tokenizer, transformers model) with the same weights SFCL serves, dense in ``spec["dtype"]``.
+
+    Why not ``from_pretrained(gguf_file=...)`` directly: transformers 5 keeps GGUF weights packed
+    and dequantises inside every matmul (its own warning says so), which is 10x+ slower on a CPU
+    than a dense model and not how a transformers user would serve. So the weights come from
+    SFCL's loader (GGUF dequantised once, cached under ~/.cache/sfcl) and are copied into the
+    transformers class named by the GGUF's config; the tokenizer and chat template are the same."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sfcl.model.loader import resolve_model
+    from sfcl.config import default_cache_dir
+    from sfcl.model.loader import load_model, resolve_model
 
+    lm = load_model(spec.get("model"), dtype=torch.float32, device="cpu", cache_dir=default_cache_dir())
     src = resolve_model(spec.get("model"))
-    kw = {"local_files_only": True}
-    if src.gguf_file:
-        kw["gguf_file"] = src.gguf_file
-    tok = AutoTokenizer.from_pretrained(src.folder, **kw)
+    kw = {"local_files_only": True, **({"gguf_file": src.gguf_file} if src.gguf_file else {})}
+    cfg = AutoConfig.from_pretrained(src.folder, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=spec.get("attn", "sdpa"))
+    missing, unexpected = model.load_state_dict(hf_state_dict(lm.model, lm.args), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    tok = lm.tokenizer
+    del lm
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=getattr(torch, DTYPES[spec["dtype"]]), **kw)
-    return tok, model.to(spec.get("device", "cpu")).eval()
+    model = model.to(device=spec.get("device", "cpu"), dtype=getattr(torch, DTYPES[spec["dtype"]])).eval()
+    return tok, model
 
 
 def run_batch(tok, model, batch: list[list[dict]], max_tokens: int, ignore_eos: bool) -> list[dict]:

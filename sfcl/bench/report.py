@@ -116,7 +116,10 @@ def markdown(rows: Sequence[Summary], checks: Sequence[TargetCheck], meta: Mappi
     """The report as markdown: header (date, machine, command), figures table, targets, notes."""
     lines = [f"## sfcl bench — {meta.get('date', '')}", "",
              f"Machine: {meta.get('machine', '?')}. Model: {meta.get('model', '?')}. "
-             f"Command: `{meta.get('command', '')}`", "",
+             f"Command: `{meta.get('command', '')}`"
+             + (f" Load average (1 min) at start/end: {meta['loadavg_1min_start_end'][0]:.1f} / "
+                f"{meta['loadavg_1min_start_end'][1]:.1f}." if None not in meta.get("loadavg_1min_start_end", [None]) else ""),
+             "",
              "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for r in rows:
         d = r.to_dict()

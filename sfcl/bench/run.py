@@ -216,6 +216,7 @@ def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
         jobs.append({"key": "longdoc|c1", "concurrency": 1, "max_tokens": plan.longdoc_max_tokens,
                      "prompts": [d.messages(i) for i in range(len(d.questions))]})
     spec = {"name": name, "model": a.model, "dtype": name.split("-", 1)[1], "device": a.hf_device or a.device,
+            "attn": a.hf_attn,
             "threads": a.threads, "ignore_eos": plan.ignore_eos, "jobs": jobs}
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -243,7 +244,7 @@ def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
         else:
             res.add(name, wl, c, ss, snapshots=False, wall_s=job["wall_s"], rss=w.peak_rss, gpu=gpu)
     res.notes.append(f"{name}: transformers generate() in a subprocess, static batching (c prompts left-padded "
-                     f"into one generate() call, next batch when all rows finish), greedy, "
+                     f"into one generate() call, next batch when all rows finish), {a.hf_attn} attention, greedy, "
                      f"{'min_new_tokens = max_tokens (EOS ignored)' if plan.ignore_eos else 'stops at EOS'}; "
                      "peak RSS is the subprocess' peak over all its workloads, including model load")
 
@@ -258,6 +259,14 @@ def _machine(device: str) -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} CPUs visible, device {device}, {platform.system()} {platform.release()}"
+
+
+def _loadavg() -> float | None:
+    """1-minute load average (other processes on a shared machine make every figure noisier)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def cmd_bench(a) -> int:
@@ -296,6 +305,7 @@ def cmd_bench(a) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     res = Results()
     t0 = time.monotonic()
+    load_start = _loadavg()
     steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out))] if sfcl_modes else [])
     steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
     steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out))] if "llamacpp" in systems else []
@@ -333,7 +343,8 @@ def cmd_bench(a) -> int:
     checks = report.compute_targets(res.rows)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(a.device),
             "model": str(resolve_model(a.model).path), "command": "sfcl " + shlex.join(sys.argv[1:]),
-            "threads": a.threads, "wall_s": round(time.monotonic() - t0, 1), "plan": {
+            "threads": a.threads, "wall_s": round(time.monotonic() - t0, 1),
+            "loadavg_1min_start_end": [load_start, _loadavg()], "plan": {
                 "workloads": wls, "levels": levels, "single_requests": a.single_requests,
                 "requests_per_level": a.requests_per_level, "max_tokens": a.max_tokens,
                 "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos}}
@@ -378,6 +389,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--device", default="cpu", help="torch device for SFCL and HF (cpu, cuda)")
     p.add_argument("--hf-device", default=None, help="device of the HF peer (default: --device)")
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention implementation of the HF peer (transformers' default is sdpa)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
     p.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context size")
     p.add_argument("--sfcl-args", default="", help="extra `sfcl serve` flags, e.g. \"--kv-cache-dtype int8\"")
