@@ -188,6 +188,33 @@ def test_stream_chat_records_http_errors(serve):
     assert s.error.startswith("HTTP 404") and s.output_tokens == 0 and s.ttft_ms is None
 
 
+@pytest.mark.parametrize("finish", [None, "length"])
+def test_stream_cut_without_finish_reason_is_an_error(finish):
+    """A stream that just stops (no finish_reason, as llama_cpp.server's interrupted streams do)
+    is not a short answer but an error; with a finish_reason the same stream is fine, and with no
+    usage chunk its tokens are counted from content chunks."""
+    import httpx
+
+    def chunk(delta, fr=None):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": fr}]}) + "\n\n"
+
+    body = chunk({"role": "assistant", "content": ""}) + chunk({"content": "a"}) + chunk({"content": " b"})
+    if finish:
+        body += chunk({}, finish)
+    body += "data: [DONE]\n\n"
+
+    def handler(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=body)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            return await clients.stream_chat(c, clients.Target("m", "http://peer"), [{"role": "user", "content": "x"}], 4)
+
+    s = asyncio.run(go())
+    assert s.output_tokens == 2 and not s.tokens_from_usage and len(s.chunk_times_ms) == 2
+    assert (s.error is None) == (finish is not None)
+
+
 def test_probe_drops_fields_the_server_rejects(serve):
     url, _ = serve()
     t = clients.Target("fake", url, model=clients.discover_model(url), extra_body={"ignore_eos": True})

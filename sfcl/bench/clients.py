@@ -1,7 +1,7 @@
 """Streaming OpenAI-compatible client for the benchmark (httpx + httpx-sse), black-box over HTTP.
 
 ``stream_chat`` sends one ``POST /v1/chat/completions`` with ``stream: true`` and records, on the
-client's monotonic clock: TTFT (send -> first non-empty content chunk), the arrival of every
+client's monotonic clock (a stream that ends without a ``finish_reason`` counts as an error): TTFT (send -> first non-empty content chunk), the arrival of every
 content chunk (inter-token gaps), the output token count (``usage.completion_tokens`` when the
 server sends a usage chunk, else the number of content chunks), and SFCL's ``sfcl_snapshot``
 chunks (their ``lookup_ms``). ``closed_loop`` runs ``concurrency`` clients that each send their
@@ -52,6 +52,7 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, messages: list[
     s = RequestSample(ttft_ms=None, e2e_ms=0.0, start_s=start)
     usage_tokens = None
     chunks = 0
+    finished = False
     try:
         async with aconnect_sse(client, "POST", target.base_url.rstrip("/") + "/v1/chat/completions",
                                 json=body, headers=target.headers) as es:
@@ -80,12 +81,16 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, messages: list[
                         usage_tokens = obj["usage"].get("completion_tokens", usage_tokens)
                         s.prompt_tokens = obj["usage"].get("prompt_tokens", s.prompt_tokens)
                     for ch in obj.get("choices") or []:
+                        finished = finished or bool(ch.get("finish_reason"))
                         text = (ch.get("delta") or {}).get("content")
                         if text:
                             chunks += 1
                             s.chunk_times_ms.append(now_ms)
                             if s.ttft_ms is None:
                                 s.ttft_ms = now_ms
+                if s.error is None and not finished:
+                    # e.g. llama_cpp.server with interrupt_requests=True cuts a stream silently
+                    s.error = "stream ended without a finish_reason (cut off)"
     except httpx.HTTPError as e:
         s.error = f"{type(e).__name__}: {e}"
     s.end_s = time.monotonic()

@@ -205,9 +205,12 @@ def sfcl_argv(port: int, *, threads: int, max_num_seqs: int, model: str | None =
 
 
 def llamacpp_argv(port: int, gguf: str, *, threads: int, n_ctx: int, extra: Sequence[str] = ()) -> list[str]:
-    """``python -m llama_cpp.server`` on the same GGUF. It serves one request at a time."""
+    """``python -m llama_cpp.server`` on the same GGUF. It serves one request at a time; its default
+    ``interrupt_requests=True`` would cut the running stream whenever another request arrives
+    (the cut stream just ends, with no finish_reason), so it is turned off: requests queue."""
     return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads), *extra]
+            "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--interrupt_requests", "False", *extra]
 
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")

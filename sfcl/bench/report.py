@@ -163,6 +163,9 @@ def write_plots(out_dir: Path, rows: Sequence[Summary], samples: Mapping[str, Se
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
     ax.set_xscale("log", base=2)
+    lv = sorted({x for ln in ax.lines for x in ln.get_xdata()})
+    if lv:
+        ax.set_xticks(lv, [f"{x:g}" for x in lv])
     ax.set_xlabel("concurrent streams (closed loop)")
     ax.set_ylabel("aggregate output tokens/s")
     ax.set_title("Throughput vs concurrency")
