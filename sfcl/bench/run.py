@@ -46,6 +46,7 @@ class Plan:
     prompts: list[list[dict]]  # base short prompts (tagged per system/level before use)
     docs: list[workloads.LongDoc] = field(default_factory=list)  # one per SFCL mode (prefix cache)
     ignore_eos: bool = True
+    warmup_requests: int = 2  # untimed requests (concurrently) before a system's first workload
 
 
 @dataclass
@@ -111,6 +112,9 @@ def bench_http(target: clients.Target, plan: Plan, res: Results, *, tag: str, do
     def figures(w):
         return (w.peak_rss, w.peak_gpu) if w is not None else (None, None)
 
+    if plan.warmup_requests:  # untimed: first-request effects (allocator, caches, lazy init)
+        n = plan.warmup_requests
+        asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}w"), n, n, plan.max_tokens))
     for wl in plan.workloads:
         if wl == "single":
             n = plan.single_requests
@@ -286,9 +290,10 @@ def cmd_bench(a) -> int:
     bad = [w for w in wls if w not in WORKLOADS]
     if bad or not wls:
         raise ValueError(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from {', '.join(WORKLOADS)}")
-    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads) < 1:
+    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads) < 1 \
+            or a.warmup_requests < 0:
         raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions and "
-                         "--threads must be >= 1")
+                         "--threads must be >= 1, --warmup-requests >= 0")
     resolve_model(a.model)  # fail early (ModelLoadError -> one line, exit 2)
     levels = _ints(a.concurrency)
     sfcl_modes = [s.split("-", 1)[1] for s in systems if s.startswith("sfcl-")]
@@ -300,7 +305,7 @@ def cmd_bench(a) -> int:
                 requests_per_level=a.requests_per_level, max_tokens=a.max_tokens,
                 longdoc_max_tokens=a.longdoc_max_tokens,
                 prompts=workloads.short_prompts(max(a.single_requests, a.requests_per_level, max(levels))),
-                docs=docs, ignore_eos=not a.no_ignore_eos)
+                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests)
     out = Path(a.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     res = Results()
@@ -380,6 +385,8 @@ def add_parser(sub) -> None:
                    help="requests per concurrency level (at least the level)")
     p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream workload")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="untimed requests sent to each system (concurrently) before it is measured")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not ask systems to ignore EOS (default: ask; servers that reject ignore_eos stop at EOS)")
     p.add_argument("--longdoc-file", default=str(workloads.CONTRACTNLI_DEV), help="ContractNLI JSON file")
