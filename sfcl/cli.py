@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_soak)
 
     from sfcl.ingest.cli import add_parser as add_ingest_parser; add_ingest_parser(sub)  # noqa: E702
+    from sfcl.bench.run import add_parser as add_bench; add_bench(sub)  # sfcl bench
+
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
     b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)

@@ -1,0 +1,410 @@
+"""``sfcl bench``: SFCL (snapshot modes off / triggered / always on one server), HF transformers
+``generate()``, llama.cpp (``python -m llama_cpp.server``) and any ``--peer-url`` server, same
+weights (the bundled SmolLM2-135M-Instruct GGUF unless ``--model``), same machine, one run.
+
+Systems run one after another, each alone on the machine; the workloads of one system run in the
+order single -> concurrent levels -> longdoc. Output folder: report.md, report.json, PNG plots and
+the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
+not an error), 1 when none could be, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sfcl.bench import clients, peers, report, workloads
+from sfcl.bench.stats import RequestSample, Summary, summarize
+
+SFCL_MODES = ("off", "triggered", "always")
+KNOWN = ("sfcl-off", "sfcl-triggered", "sfcl-always", "hf-bf16", "hf-fp32", "llamacpp")
+ALIASES = {"sfcl": ("sfcl-off", "sfcl-triggered", "sfcl-always"), "hf": ("hf-bf16",)}
+WORKLOADS = ("single", "concurrent", "longdoc")
+
+
+@dataclass(slots=True)
+class Plan:
+    """What every system is asked to do (same for all of them)."""
+
+    workloads: tuple[str, ...]
+    levels: tuple[int, ...]  # concurrent streams per level
+    single_requests: int
+    requests_per_level: int  # at least the level itself, so every client sends one
+    max_tokens: int
+    longdoc_max_tokens: int
+    prompts: list[list[dict]]  # base short prompts (tagged per system/level before use)
+    docs: list[workloads.LongDoc] = field(default_factory=list)  # one per SFCL mode (prefix cache)
+    ignore_eos: bool = True
+    warmup_requests: int = 2  # untimed requests (concurrently) before a system's first workload
+
+
+@dataclass
+class Results:
+    rows: list[Summary] = field(default_factory=list)
+    samples: dict[str, list[RequestSample]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, system: str, workload: str, c: int, samples: list[RequestSample], *, snapshots: bool,
+            wall_s: float | None = None, rss: int | None = None, gpu: int | None = None) -> None:
+        self.rows.append(summarize(system, workload, c, samples, wall_s=wall_s, peak_rss_bytes=rss,
+                                   gpu_mem_bytes=gpu, snapshots=snapshots))
+        self.samples[f"{system}|{workload}|c{c}"] = samples
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ValueError("--concurrency needs integers >= 1")
+    return vals
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    """'sfcl,hf,llamacpp' -> ('sfcl-off', 'sfcl-triggered', 'sfcl-always', 'hf-bf16', 'llamacpp').
+    Raises ValueError naming an unknown system."""
+    out: list[str] = []
+    for s in (x.strip() for x in text.split(",") if x.strip()):
+        names = ALIASES.get(s, (s,))
+        for n in names:
+            if n not in KNOWN:
+                raise ValueError(f"unknown system {s!r} (known: {', '.join(KNOWN + tuple(ALIASES))}; "
+                                 "other servers: --peer-url NAME=URL)")
+            if n not in out:
+                out.append(n)
+    return tuple(out)
+
+
+def parse_peer(text: str) -> tuple[str, str]:
+    """'NAME=URL' or 'URL' (name: host:port) -> (name, url). Raises ValueError."""
+    name, _, url = text.rpartition("=") if "=" in text.split("://")[0] else ("", "", text)
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--peer-url needs NAME=http://host:port, got {text!r}")
+    return (name or url.split("://", 1)[1].rstrip("/")), url.rstrip("/")
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
+
+
+def bench_http(target: clients.Target, plan: Plan, res: Results, *, tag: str, doc: workloads.LongDoc | None,
+               monitor: peers.MemoryMonitor | None, snapshots: bool) -> None:
+    """Run the plan's workloads against one HTTP target and add the summaries to ``res``."""
+    import contextlib
+
+    def window():
+        return monitor.window() if monitor else contextlib.nullcontext(None)
+
+    def figures(w):
+        return (w.peak_rss, w.peak_gpu) if w is not None else (None, None)
+
+    if plan.warmup_requests:  # untimed: first-request effects (allocator, caches, lazy init)
+        n = plan.warmup_requests
+        asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}w"), n, n, plan.max_tokens))
+    for wl in plan.workloads:
+        if wl == "single":
+            n = plan.single_requests
+            bar = _bar(n, f"{target.name} single")
+            with window() as w:
+                ss = asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}s"), 1, n,
+                                                     plan.max_tokens, lambda s: bar.update()))
+            bar.close()
+            rss, gpu = figures(w)
+            res.add(target.name, "single", 1, ss, snapshots=snapshots, rss=rss, gpu=gpu)
+        elif wl == "concurrent":
+            for c in plan.levels:
+                n = max(plan.requests_per_level, c)
+                bar = _bar(n, f"{target.name} c={c}")
+                prompts = workloads.tagged([plan.prompts[i % len(plan.prompts)] for i in range(n)], f"{tag}c{c}")
+                t0 = time.monotonic()
+                with window() as w:
+                    ss = asyncio.run(clients.closed_loop(target, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
+                wall = time.monotonic() - t0
+                bar.close()
+                rss, gpu = figures(w)
+                res.add(target.name, "concurrent", c, ss, snapshots=snapshots, wall_s=wall, rss=rss, gpu=gpu)
+        elif wl == "longdoc" and doc is not None:
+            msgs = [doc.messages(i) for i in range(len(doc.questions))]
+            bar = _bar(len(msgs), f"{target.name} longdoc")
+            with window() as w:
+                ss = asyncio.run(clients.sequential(target, msgs, plan.longdoc_max_tokens, lambda s: bar.update()))
+            bar.close()
+            rss, gpu = figures(w)
+            res.add(target.name, "longdoc-cold", 1, ss[:1], snapshots=snapshots, rss=rss, gpu=gpu)
+            if len(ss) > 1:
+                res.add(target.name, "longdoc-repeat", 1, ss[1:], snapshots=snapshots, rss=rss, gpu=gpu)
+
+
+def _target(name: str, url: str, plan: Plan, headers: dict | None = None, eos_body: dict | None = None) -> clients.Target:
+    """Target for ``url``; ``eos_body`` is how this server is asked to ignore EOS (default the
+    vLLM / llama-server field ``ignore_eos``); the probe drops it if the server rejects it."""
+    body = (eos_body if eos_body is not None else {"ignore_eos": True}) if plan.ignore_eos else {}
+    t = clients.Target(name=name, base_url=url, model=clients.discover_model(url), headers=headers or {},
+                       extra_body=dict(body))
+    return asyncio.run(clients.probe(t))
+
+
+def _eos_note(t: clients.Target, plan: Plan) -> str:
+    if not plan.ignore_eos:
+        return f"{t.name}: stops at EOS (--no-ignore-eos)"
+    if not t.extra_body:
+        return f"{t.name}: rejected the ignore-EOS field, so it stops at EOS (fewer tokens per request)"
+    return f"{t.name}: EOS suppressed with `{json.dumps(t.extra_body)}`"
+
+
+def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
+    port = peers.free_port()
+    argv = peers.sfcl_argv(port, threads=a.threads, max_num_seqs=max(plan.levels + (1,)), model=a.model,
+                           device=a.device, extra=shlex.split(a.sfcl_args))
+    with peers.ServerProcess("sfcl", argv, port, out / "logs", ready_path="/health") as srv:
+        srv.wait_ready(a.ready_timeout)
+        for k, mode in enumerate(modes):
+            t = _target(f"sfcl-{mode}", srv.url, plan, {"x-sfcl-snapshot": mode})
+            res.notes.append(_eos_note(t, plan))
+            # each mode gets its own document: a later mode must not find the earlier mode's KV cached
+            doc = plan.docs[k % len(plan.docs)] if plan.docs else None
+            bench_http(t, plan, res, tag=f"m{k}", doc=doc, monitor=srv.monitor, snapshots=mode != "off")
+
+
+def run_llamacpp(a, plan: Plan, res: Results, out: Path) -> None:
+    from sfcl.model.loader import resolve_model
+
+    why = peers.llamacpp_available()
+    if why:
+        res.notes.append(f"llamacpp skipped: `import llama_cpp.server` failed ({why}); "
+                         "`pip install 'llama-cpp-python[server]'` (or `pip install -e .[bench]`)")
+        return
+    src = resolve_model(a.model)
+    if not src.gguf_file:
+        res.notes.append("llamacpp skipped: --model is not a .gguf file")
+        return
+    port = peers.free_port()
+    argv = peers.llamacpp_argv(port, str(src.path), threads=a.threads, n_ctx=a.n_ctx, extra=shlex.split(a.llamacpp_args))
+    with peers.ServerProcess("llamacpp", argv, port, out / "logs") as srv:
+        srv.wait_ready(a.ready_timeout)
+        # llama_cpp.server has no ignore_eos; a -100 logit bias on the end tokens does the same
+        eos = {str(i): -100.0 for i in peers.gguf_eos_ids(str(src.path))}
+        t = _target("llamacpp", srv.url, plan, eos_body={"logit_bias": eos})
+        res.notes.append(_eos_note(t, plan))
+        bench_http(t, plan, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
+                   snapshots=False)
+
+
+def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
+    """transformers generate() in a subprocess (its own RSS); see sfcl.bench.hf_runner."""
+    jobs = []
+    if "single" in plan.workloads:
+        jobs.append({"key": "single|c1", "concurrency": 1, "max_tokens": plan.max_tokens,
+                     "prompts": workloads.tagged(plan.prompts[:plan.single_requests], "hs")})
+    if "concurrent" in plan.workloads:
+        for c in plan.levels:
+            n = max(plan.requests_per_level, c)
+            jobs.append({"key": f"concurrent|c{c}", "concurrency": c, "max_tokens": plan.max_tokens,
+                         "prompts": workloads.tagged([plan.prompts[i % len(plan.prompts)] for i in range(n)], f"hc{c}")})
+    if "longdoc" in plan.workloads and plan.docs:
+        d = plan.docs[0]
+        jobs.append({"key": "longdoc|c1", "concurrency": 1, "max_tokens": plan.longdoc_max_tokens,
+                     "prompts": [d.messages(i) for i in range(len(d.questions))]})
+    spec = {"name": name, "model": a.model, "dtype": name.split("-", 1)[1], "device": a.hf_device or a.device,
+            "attn": a.hf_attn,
+            "threads": a.threads, "ignore_eos": plan.ignore_eos, "jobs": jobs}
+    with tempfile.TemporaryDirectory() as tmp:
+        sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        sp.write_text(json.dumps(spec))
+        log = open(out / "logs" / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "sfcl.bench.hf_runner", str(sp), str(op)],
+                                stdout=log, stderr=None, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        mon = peers.MemoryMonitor(proc.pid)
+        with mon.window() as w:
+            rc = proc.wait()
+        mon.close()
+        log.close()
+        if rc != 0 or not op.is_file():
+            res.notes.append(f"{name} failed (exit {rc}); see {out / 'logs' / (name + '.log')} and the stderr above")
+            return
+        got = json.loads(op.read_text())["jobs"]
+    for key, job in got.items():
+        wl, c = key.split("|")[0], int(key.split("|c")[1])
+        ss = [RequestSample(**s) for s in job["samples"]]
+        gpu = job.get("gpu_mem_bytes")
+        if wl == "longdoc":
+            res.add(name, "longdoc-cold", 1, ss[:1], snapshots=False, rss=w.peak_rss, gpu=gpu)
+            if len(ss) > 1:
+                res.add(name, "longdoc-repeat", 1, ss[1:], snapshots=False, rss=w.peak_rss, gpu=gpu)
+        else:
+            res.add(name, wl, c, ss, snapshots=False, wall_s=job["wall_s"], rss=w.peak_rss, gpu=gpu)
+    res.notes.append(f"{name}: transformers generate() in a subprocess, static batching (c prompts left-padded "
+                     f"into one generate() call, next batch when all rows finish), {a.hf_attn} attention, greedy, "
+                     f"{'min_new_tokens = max_tokens (EOS ignored)' if plan.ignore_eos else 'stops at EOS'}; "
+                     "peak RSS is the subprocess' peak over all its workloads, including model load")
+
+
+def _machine(device: str) -> str:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs visible, device {device}, {platform.system()} {platform.release()}"
+
+
+def _loadavg() -> float | None:
+    """1-minute load average (other processes on a shared machine make every figure noisier)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def cmd_bench(a) -> int:
+    from sfcl.model.loader import resolve_model
+
+    if a.quick:
+        a.concurrency = a.concurrency if a.concurrency_set else "4"
+        a.requests_per_level = min(a.requests_per_level, 8)
+        a.single_requests = min(a.single_requests, 3)
+        a.max_tokens = min(a.max_tokens, 16)
+        a.longdoc_questions = min(a.longdoc_questions, 3)
+        a.longdoc_tokens = min(a.longdoc_tokens, 2000)
+        a.longdoc_max_tokens = min(a.longdoc_max_tokens, 8)
+    systems = parse_systems(a.systems)
+    peer_urls = [parse_peer(p) for p in a.peer_url or []]
+    wls = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    bad = [w for w in wls if w not in WORKLOADS]
+    if bad or not wls:
+        raise ValueError(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from {', '.join(WORKLOADS)}")
+    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads) < 1 \
+            or a.warmup_requests < 0:
+        raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions and "
+                         "--threads must be >= 1, --warmup-requests >= 0")
+    resolve_model(a.model)  # fail early (ModelLoadError -> one line, exit 2)
+    levels = _ints(a.concurrency)
+    sfcl_modes = [s.split("-", 1)[1] for s in systems if s.startswith("sfcl-")]
+    docs = []
+    if "longdoc" in wls:
+        docs = [workloads.long_document(a.longdoc_file, a.longdoc_tokens, a.longdoc_questions, index=k)
+                for k in range(max(1, len(sfcl_modes)))]
+    plan = Plan(workloads=wls, levels=levels, single_requests=a.single_requests,
+                requests_per_level=a.requests_per_level, max_tokens=a.max_tokens,
+                longdoc_max_tokens=a.longdoc_max_tokens,
+                prompts=workloads.short_prompts(max(a.single_requests, a.requests_per_level, max(levels))),
+                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests)
+    out = Path(a.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    res = Results()
+    t0 = time.monotonic()
+    load_start = _loadavg()
+    steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out))] if sfcl_modes else [])
+    steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
+    steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out))] if "llamacpp" in systems else []
+    for name, url in peer_urls:
+        def peer(name=name, url=url):
+            t = _target(name, url, plan)
+            res.notes.append(_eos_note(t, plan) + "; peak RSS not measured (not started by sfcl bench)")
+            bench_http(t, plan, res, tag="p", doc=docs[0] if docs else None, monitor=None, snapshots=False)
+        steps.append((name, peer))
+    for name, fn in steps:
+        try:
+            fn()
+        except (RuntimeError, OSError) as e:
+            res.notes.append(f"{name} failed: {e}")
+            print(f"sfcl bench: {name} failed: {str(e).splitlines()[0]}", file=sys.stderr)
+    if "llamacpp" in systems:
+        res.notes.append("llamacpp: llama-cpp-python's `llama_cpp.server` serves requests one at a time (no parallel "
+                         "slots): concurrent requests queue in the server, so its throughput stays flat and its TTFT "
+                         "grows with concurrency. For parallel slots run llama.cpp's `llama-server -np N` and pass "
+                         "--peer-url llama-server=http://127.0.0.1:PORT")
+    if docs:
+        res.notes.append("longdoc: ContractNLI " + ", ".join(f"{d.doc_id} ({len(d.text):,} chars)" for d in docs)
+                         + f"; {a.longdoc_questions} questions in sequence, the first cold. Each SFCL snapshot "
+                           "mode gets its own document (they share one server and its prefix cache); other "
+                           "systems use the first")
+    res.notes.append("short prompts start with a per-system/level tag (`Ref m0c4-3.`) so no run reuses another's "
+                     "prefix-cached KV; peak RSS is polled every 0.1 s (a lower bound)")
+    for s in dict.fromkeys(r.system for r in res.rows):
+        by = sorted({r.tokens_counted_by for r in res.rows if r.system == s})
+        res.notes.append(f"{s}: output tokens counted from {' and '.join(by)} "
+                         "(usage = the server's usage chunk or generate()'s count; chunks = content chunks)")
+    if not res.rows:
+        print("sfcl bench: no system could be measured:\n" + "\n".join(res.notes), file=sys.stderr)
+        return 1
+    checks = report.compute_targets(res.rows)
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(a.device),
+            "model": str(resolve_model(a.model).path), "command": "sfcl " + shlex.join(sys.argv[1:]),
+            "threads": a.threads, "wall_s": round(time.monotonic() - t0, 1),
+            "loadavg_1min_start_end": [load_start, _loadavg()], "plan": {
+                "workloads": wls, "levels": levels, "single_requests": a.single_requests,
+                "requests_per_level": a.requests_per_level, "max_tokens": a.max_tokens,
+                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos}}
+    md = report.markdown(res.rows, checks, meta, res.notes)
+    (out / "report.md").write_text(md)
+    report.write_json(out / "report.json", res.rows, checks, meta, res.samples)
+    pngs = report.write_plots(out, res.rows, res.samples)
+    print(md)
+    print(f"wrote {out / 'report.md'}, {out / 'report.json'}, " + ", ".join(p.name for p in pngs), file=sys.stderr)
+    return 0
+
+
+class _SetFlag(argparse.Action):
+    def __call__(self, parser, ns, values, option_string=None):
+        setattr(ns, self.dest, values)
+        ns.concurrency_set = True
+
+
+def add_parser(sub) -> None:
+    """``sfcl bench`` on the top-level subparsers object."""
+    p = sub.add_parser("bench", help="benchmark SFCL against HF transformers, llama.cpp and other servers",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="sfcl,hf-bf16,llamacpp",
+                   help="comma-separated: sfcl (= sfcl-off,sfcl-triggered,sfcl-always), sfcl-MODE, hf (= hf-bf16), "
+                        "hf-bf16, hf-fp32, llamacpp")
+    p.add_argument("--peer-url", action="append", metavar="NAME=URL",
+                   help="a running OpenAI-compatible server to include (repeatable), e.g. llama-server=http://127.0.0.1:8080")
+    p.add_argument("--workloads", default="single,concurrent,longdoc", help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--concurrency", default="1,4,8,16,32", action=_SetFlag,
+                   help="closed-loop concurrency levels of the concurrent workload")
+    p.add_argument("--requests-per-level", type=int, default=32,
+                   help="requests per concurrency level (at least the level)")
+    p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream workload")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="untimed requests sent to each system (concurrently) before it is measured")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not ask systems to ignore EOS (default: ask; servers that reject ignore_eos stop at EOS)")
+    p.add_argument("--longdoc-file", default=str(workloads.CONTRACTNLI_DEV), help="ContractNLI JSON file")
+    p.add_argument("--longdoc-tokens", type=int, default=4000, help="pick the NDA closest to this many tokens")
+    p.add_argument("--longdoc-questions", type=int, default=5, help="questions asked about the document, in sequence")
+    p.add_argument("--longdoc-max-tokens", type=int, default=32, help="max_tokens of each long-document answer")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--device", default="cpu", help="torch device for SFCL and HF (cpu, cuda)")
+    p.add_argument("--hf-device", default=None, help="device of the HF peer (default: --device)")
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention implementation of the HF peer (transformers' default is sdpa)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
+    p.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context size")
+    p.add_argument("--sfcl-args", default="", help="extra `sfcl serve` flags, e.g. \"--kv-cache-dtype int8\"")
+    p.add_argument("--llamacpp-args", default="", help="extra `llama_cpp.server` flags")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    p.add_argument("--out", default=None, help="output folder (default bench-out/<UTC time>)")
+    p.add_argument("--quick", action="store_true",
+                   help="small settings for a smoke run: concurrency 4, 8 requests/level, 3 single requests, "
+                        "16 tokens, a ~2k-token document with 3 questions of 8 tokens")
+    p.set_defaults(fn=cmd_bench, concurrency_set=False)

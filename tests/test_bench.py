@@ -1,0 +1,305 @@
+"""sfcl.bench: statistics and report on synthetic samples, the streaming client against the
+FakeEngine server, the process helpers on tiny subprocesses, and the CLI end to end against a
+FakeEngine peer. No real benchmark runs here (no model, no timing assertions)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+from sfcl.bench import clients, peers, report, workloads
+from sfcl.bench.run import parse_peer, parse_systems
+from sfcl.bench.stats import RequestSample, Summary, percentile, ratio, summarize, variance
+from sfcl.server.testing import DEFAULT_REPLY, FakeEngine
+
+
+# -- stats ------------------------------------------------------------------------------------
+
+def test_percentile_interpolates_like_numpy_linear():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 95) == pytest.approx(3.85)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_variance_and_ratio():
+    assert variance([1, 2, 3, 4]) == pytest.approx(1.25)
+    assert variance([]) is None
+    assert ratio(3.0, 2.0) == 1.5 and ratio(1.0, 0) is None and ratio(None, 1.0) is None
+
+
+def sample(ttft, gaps, tokens=None, start=0.0, snaps=(), error=None):
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    n = len(times) if tokens is None else tokens
+    return RequestSample(ttft_ms=ttft, e2e_ms=times[-1], chunk_times_ms=times, output_tokens=n,
+                         tokens_from_usage=True, snapshot_lookup_ms=list(snaps), snapshots=len(snaps),
+                         error=error, start_s=start, end_s=start + times[-1] / 1e3)
+
+
+def test_sample_gaps_and_tpot():
+    s = sample(100.0, [10.0, 30.0])
+    assert s.gaps_ms == [10.0, 30.0]
+    assert s.tpot_ms == pytest.approx(20.0)  # (140 - 100) / (3 - 1)
+    assert sample(5.0, []).tpot_ms is None
+
+
+def test_summarize_figures():
+    ss = [sample(100.0, [10.0, 30.0], start=0.0, snaps=[0.2, 0.4]),
+          sample(200.0, [20.0, 20.0], start=0.05),
+          sample(50.0, [1.0], error="HTTP 500: boom")]
+    sm = summarize("x", "concurrent", 2, ss, wall_s=2.0, snapshots=True, peak_rss_bytes=123)
+    assert (sm.requests, sm.errors, sm.output_tokens) == (3, 1, 6)
+    assert sm.tokens_per_s == pytest.approx(3.0)
+    assert sm.ttft_p50_ms == pytest.approx(150.0)
+    assert sm.itl_p50_ms == pytest.approx(20.0)
+    assert sm.itl_var_ms2 == pytest.approx((100.0 + 0.0) / 2)  # per-request variances averaged
+    assert sm.snapshots_per_1k_tokens == pytest.approx(1000 * 2 / 6)
+    assert sm.lookup_p50_ms == pytest.approx(0.3)
+    assert sm.peak_rss_bytes == 123 and sm.tokens_counted_by == "usage"
+    off = summarize("x", "single", 1, ss[:2])  # wall time from the samples' own clock
+    assert off.snapshots_per_1k_tokens is None and off.lookup_p99_ms is None
+    assert off.wall_s == pytest.approx(0.05 + 0.24)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def row(system, workload, c, tps=None, ttft95=None, tpot=None):
+    return Summary(system=system, workload=workload, concurrency=c, requests=4, errors=0, output_tokens=64,
+                   wall_s=1.0, tokens_per_s=tps, ttft_p50_ms=ttft95, ttft_p95_ms=ttft95, tpot_p50_ms=tpot,
+                   tpot_p95_ms=tpot, itl_p50_ms=tpot, itl_p95_ms=tpot, itl_var_ms2=4.0, peak_rss_bytes=2**30)
+
+
+def synthetic_rows():
+    return [row("sfcl-off", "concurrent", 16, tps=100.0), row("sfcl-triggered", "concurrent", 16, tps=99.0),
+            row("sfcl-always", "concurrent", 16, tps=50.0), row("llamacpp", "concurrent", 16, tps=40.0),
+            row("sfcl-triggered", "single", 1, tpot=20.0), row("llamacpp", "single", 1, tpot=10.0),
+            row("sfcl-triggered", "longdoc-cold", 1, ttft95=1000.0),
+            row("sfcl-triggered", "longdoc-repeat", 1, ttft95=80.0)]
+
+
+def test_targets_ratios_and_marks():
+    thr, dec, trig, alw, pc, pc_llama = report.compute_targets(synthetic_rows())
+    assert thr.name.startswith("throughput at 16 streams, sfcl-triggered / llamacpp")
+    assert thr.value == pytest.approx(99.0 / 40.0) and thr.mark == "FAIL"
+    assert dec.name.startswith("single-stream decode")
+    assert dec.value == pytest.approx(0.5) and dec.mark == "FAIL"  # TPOT 20 ms vs 10 ms
+    assert trig.name == "throughput sfcl-triggered / sfcl-off (16 streams)"
+    assert trig.value == pytest.approx(0.99) and trig.mark == "PASS"
+    assert alw.value == pytest.approx(0.5) and alw.mark == "info"
+    assert pc.name.endswith("sfcl-triggered") and pc.value == pytest.approx(0.08) and pc.mark == "PASS"
+    assert pc_llama.value is None and pc_llama.passed is None and pc_llama.mark == "info"
+
+
+def test_targets_fall_back_to_largest_common_level():
+    rows = [row("sfcl-triggered", "concurrent", 4, tps=30.0), row("llamacpp", "concurrent", 4, tps=10.0),
+            row("sfcl-triggered", "concurrent", 8, tps=60.0)]
+    c = report.compute_targets(rows)[0]
+    assert c.name.startswith("throughput at 4 streams") and c.value == pytest.approx(3.0) and c.mark == "PASS"
+
+
+def test_markdown_json_and_plots_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = synthetic_rows()
+    checks = report.compute_targets(rows)
+    meta = {"date": "2026-01-01 00:00 UTC", "machine": "test", "model": "m", "command": "sfcl bench"}
+    md = report.markdown(rows, checks, meta, ["a note"])
+    assert "| sfcl-triggered | concurrent | 16 |" in md and "1,024" in md  # RSS in MiB
+    assert "PASS" in md and "FAIL" in md and "- a note" in md
+    samples = {"sfcl-off|concurrent|c16": [sample(100.0, [10.0, 12.0])],
+               "llamacpp|concurrent|c16": [sample(300.0, [20.0, 25.0])]}
+    report.write_json(tmp_path / "r.json", rows, checks, meta, samples)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert len(doc["summaries"]) == len(rows) and doc["targets"][2]["mark"] == "PASS"
+    assert doc["samples"]["llamacpp|concurrent|c16"][0]["ttft_ms"] == 300.0
+    pngs = report.write_plots(tmp_path, rows, samples)
+    assert {p.name for p in pngs} == {"throughput_vs_concurrency.png", "latency_hist.png", "longdoc_ttft.png"}
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- argument parsing, workloads ----------------------------------------------------------------
+
+def test_parse_systems_and_peers():
+    assert parse_systems("sfcl,hf,llamacpp") == ("sfcl-off", "sfcl-triggered", "sfcl-always", "hf-bf16", "llamacpp")
+    assert parse_systems("hf-fp32, sfcl-off") == ("hf-fp32", "sfcl-off")
+    with pytest.raises(ValueError, match="unknown system 'vllm'"):
+        parse_systems("vllm")
+    assert parse_peer("srv=http://127.0.0.1:8080/") == ("srv", "http://127.0.0.1:8080")
+    assert parse_peer("http://10.0.0.1:9000") == ("10.0.0.1:9000", "http://10.0.0.1:9000")
+    with pytest.raises(ValueError):
+        parse_peer("srv=localhost:8080")
+
+
+def test_short_prompts_deterministic_varied_and_tagged():
+    a, b = workloads.short_prompts(12), workloads.short_prompts(12)
+    assert a == b and len({m[0]["content"] for m in a}) == 12
+    t = workloads.tagged(a[:3], "m1c4")
+    assert t[2][0]["content"].startswith("Ref m1c4-2. ") and a[2][0]["content"] == b[2][0]["content"]
+    with pytest.raises(ValueError):
+        workloads.short_prompts(0)
+
+
+def test_long_document_from_contractnli():
+    CONTRACTNLI = workloads.CONTRACTNLI_DEV
+    if not CONTRACTNLI.is_file():
+        pytest.skip("ContractNLI data not available")
+    d0 = workloads.long_document(CONTRACTNLI, 4000, 4, index=0)
+    d1 = workloads.long_document(CONTRACTNLI, 4000, 4, index=1)
+    assert d0.doc_id != d1.doc_id and len(d0.questions) == 4
+    assert 8000 < len(d0.text) < 30000
+    m0, m3 = d0.messages(0)[0]["content"], d0.messages(3)[0]["content"]
+    assert m0.startswith(d0.text) and m3.startswith(d0.text) and m0 != m3
+    with pytest.raises(FileNotFoundError):
+        workloads.long_document(CONTRACTNLI.parent / "missing.json")
+
+
+# -- client against the FakeEngine server --------------------------------------------------------
+
+def test_stream_chat_measures_tokens_ttft_and_snapshots(serve):
+    url, eng = serve(FakeEngine(snapshot_every=2))
+    t = clients.Target("fake", url, model="fake-model", headers={"x-sfcl-snapshot": "triggered"})
+
+    async def go():
+        import httpx
+
+        async with httpx.AsyncClient() as c:
+            return await clients.stream_chat(c, t, [{"role": "user", "content": "hi"}], 6)
+
+    s = asyncio.run(go())
+    assert s.error is None and s.tokens_from_usage and s.output_tokens == 6
+    assert len(s.chunk_times_ms) == 6 and s.ttft_ms == s.chunk_times_ms[0] <= s.e2e_ms
+    assert s.snapshots == 3 and s.snapshot_lookup_ms == [0.4, 0.4, 0.4]
+    assert eng.requests[-1].params.snapshot_mode == "triggered"
+
+
+def test_stream_chat_records_http_errors(serve):
+    url, _ = serve()
+    t = clients.Target("fake", url, model="no-such-model")
+    s = asyncio.run(clients.sequential(t, [[{"role": "user", "content": "hi"}]], 4))[0]
+    assert s.error.startswith("HTTP 404") and s.output_tokens == 0 and s.ttft_ms is None
+
+
+@pytest.mark.parametrize("finish", [None, "length"])
+def test_stream_cut_without_finish_reason_is_an_error(finish):
+    """A stream that just stops (no finish_reason, as llama_cpp.server's interrupted streams do)
+    is not a short answer but an error; with a finish_reason the same stream is fine, and with no
+    usage chunk its tokens are counted from content chunks."""
+    import httpx
+
+    def chunk(delta, fr=None):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": fr}]}) + "\n\n"
+
+    body = chunk({"role": "assistant", "content": ""}) + chunk({"content": "a"}) + chunk({"content": " b"})
+    if finish:
+        body += chunk({}, finish)
+    body += "data: [DONE]\n\n"
+
+    def handler(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=body)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            return await clients.stream_chat(c, clients.Target("m", "http://peer"), [{"role": "user", "content": "x"}], 4)
+
+    s = asyncio.run(go())
+    assert s.output_tokens == 2 and not s.tokens_from_usage and len(s.chunk_times_ms) == 2
+    assert (s.error is None) == (finish is not None)
+
+
+def test_probe_drops_fields_the_server_rejects(serve):
+    url, _ = serve()
+    t = clients.Target("fake", url, model=clients.discover_model(url), extra_body={"ignore_eos": True})
+    assert t.model == "fake-model"
+    t = asyncio.run(clients.probe(t))
+    assert t.extra_body == {} and t.include_usage  # SFCL forbids unknown fields; usage stays
+    with pytest.raises(RuntimeError, match="does not answer"):
+        asyncio.run(clients.probe(clients.Target("bad", url, model="nope")))
+
+
+def test_closed_loop_sends_exactly_n_requests(serve):
+    url, eng = serve()
+    t = clients.Target("fake", url, model="fake-model")
+    prompts = [[{"role": "user", "content": f"prompt {i}"}] for i in range(3)]
+    done = []
+    ss = asyncio.run(clients.closed_loop(t, prompts, 3, 7, 4, done.append))
+    assert len(ss) == 7 == len(done) and all(s.error is None and s.output_tokens == 4 for s in ss)
+    seen = [e[0][0]["content"] for e in eng.encoded]
+    assert sorted(seen) == sorted(f"prompt {i % 3}" for i in range(7))
+    with pytest.raises(ValueError):
+        asyncio.run(clients.closed_loop(t, prompts, 0, 1, 4))
+
+
+# -- process helpers ------------------------------------------------------------------------------
+
+def test_server_process_ready_rss_and_stop(tmp_path):
+    pytest.importorskip("psutil")
+    port = peers.free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with peers.ServerProcess("web", argv, port, tmp_path / "logs", ready_path="/") as srv:
+        srv.wait_ready(30)
+        with srv.monitor.window() as w:
+            pass
+        assert w.peak_rss > 1_000_000  # a Python interpreter is more than 1 MB resident
+    assert srv.proc.poll() is not None
+
+
+def test_server_process_that_exits_early_raises(tmp_path):
+    pytest.importorskip("psutil")
+    argv = [sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(3)"]
+    srv = peers.ServerProcess("dies", argv, peers.free_port(), tmp_path)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        srv.wait_ready(30)
+    srv.stop()
+    assert "bad flag" in (tmp_path / "dies.stderr.log").read_text()
+
+
+def test_gguf_eos_ids_of_bundled_model():
+    from sfcl.model.loader import ModelLoadError, resolve_model
+
+    try:
+        src = resolve_model(None)
+    except ModelLoadError:
+        pytest.skip("bundled model not installed")
+    assert peers.gguf_eos_ids(str(src.path)) == [0, 2]  # SmolLM2: <|endoftext|>, <|im_end|>
+
+
+# -- the CLI end to end, with a FakeEngine server as the only (peer) system ----------------------
+
+def test_cli_bench_against_a_peer(serve, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from sfcl.cli import main
+
+    url, _ = serve(FakeEngine(max_model_len=10**6))
+    out = tmp_path / "out"
+    rc = main(["bench", "--systems", "", "--peer-url", f"fake={url}", "--quick", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "report.json").read_text())
+    got = {(r["system"], r["workload"], r["concurrency"]): r for r in doc["summaries"]}
+    assert set(got) == {("fake", "single", 1), ("fake", "concurrent", 4), ("fake", "longdoc-cold", 1),
+                        ("fake", "longdoc-repeat", 1)}
+    assert got[("fake", "concurrent", 4)]["requests"] == 8 and got[("fake", "concurrent", 4)]["errors"] == 0
+    assert got[("fake", "single", 1)]["output_tokens"] == 3 * 16  # the reply has more than 16 words
+    assert len(DEFAULT_REPLY.split()) > 16
+    assert "| fake | concurrent | 4 |" in capsys.readouterr().out
+    assert (out / "throughput_vs_concurrency.png").is_file() and (out / "report.md").is_file()
+
+
+@pytest.mark.parametrize("argv, msg", [(["--systems", "vllm"], "unknown system"),
+                                       (["--workloads", "single,bogus"], "unknown workload"),
+                                       (["--concurrency", "4,x"], "--concurrency"),
+                                       (["--peer-url", "nourl"], "--peer-url")])
+def test_cli_bench_bad_arguments_exit_2(argv, msg, capsys, tmp_path):
+    from sfcl.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sfcl: error:") and msg in err[0]
