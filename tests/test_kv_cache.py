@@ -84,3 +84,22 @@ def test_bad_arguments():
         KVCache(ARGS, 1, 8, torch.float32, kv_dtype="fp4")
     with pytest.raises(ValueError):
         KVCache(ARGS, 0, 8, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_rows_are_zeroed_before_decode_reads_past_their_length(kv_dtype):
+    """Masked attention weights are 0, but 0 * NaN = NaN: garbage past a row's length must go."""
+    c = KVCache(ARGS, 2, 32, torch.float32, kv_dtype=kv_dtype, block_size=4)
+    for t in c.k + c.v:
+        t.fill_(127 if t.dtype == torch.int8 else float("nan"))
+    for t in getattr(c, "k_scale", []) + getattr(c, "v_scale", []):
+        t.fill_(float("nan"))
+    k, v = kv_pair(5)
+    for layer in range(2):
+        c.write_prefill(layer, 0, 0, k, v)
+    c.ensure_initialized(2, 9)  # decode batch of rows 0, 1 attending to 9 positions
+    for layer in range(2):
+        kk, vv = c.read(layer, slice(0, 2), 9)
+        assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
+        assert (kk[1] == 0).all() and (kk[0, :, 5:] == 0).all()
+        assert torch.allclose(kk[0, :, :5], k, atol=k.abs().max().item() / 100)  # written values intact

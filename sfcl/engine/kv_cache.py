@@ -67,6 +67,11 @@ class KVCache:
             self.pool_ks = alloc((pool_blocks, nkv, hd), torch.bfloat16)
             self.pool_vs = alloc((pool_blocks, nkv, bs), torch.bfloat16)
         self.pool_blocks = pool_blocks
+        # Positions [0, hwm[r]) of row r hold written (or zeroed) values. Decode attends to [0, S)
+        # for every row with masked weights that are exactly 0, and 0 * NaN = NaN: uninitialized
+        # memory past a row's own length must not hold NaN/Inf bit patterns, so rows are zeroed up
+        # to S before they are read (``ensure_initialized``), a few positions per step.
+        self.hwm = [0] * R
         el = torch.empty((), dtype=sd).element_size()
         per_head = 2 * hd * el
         if self.int8:
@@ -77,6 +82,8 @@ class KVCache:
     def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (nkv, T, hd) for positions [start, start+T) of ``slot``."""
         T = k.shape[1]
+        if layer == 0:
+            self.hwm[slot] = max(self.hwm[slot], start + T)
         if not self.int8:
             self.k[layer][slot, :, start:start + T] = k
             self.v[layer][slot, :, start:start + T] = v
@@ -136,11 +143,27 @@ class KVCache:
         vv = self.v[layer][rows, :, :S].to(self.dtype) * self.v_scale[layer][rows, :, :S, None].to(self.dtype)
         return kk, vv
 
+    def ensure_initialized(self, n_rows: int, S: int) -> None:
+        """Zero positions [hwm, S) of rows [0, n_rows) that were never written (see ``hwm``)."""
+        bs = self.block_size
+        for r in range(n_rows):
+            a = self.hwm[r]
+            if a >= S:
+                continue
+            for i in range(len(self.k)):
+                self.k[i][r, :, a:S] = 0
+                self.v[i][r, :, a:S] = 0
+                if self.int8:
+                    self.k_scale[i][r, :, -(-a // bs):-(-S // bs)] = 0  # a block in progress keeps its scale
+                    self.v_scale[i][r, :, a:S] = 0
+            self.hwm[r] = S
+
     # -- scheduler-planned copies ------------------------------------------------------------------
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy positions [0, length) of row ``src`` into row ``dst`` in every layer."""
         bs = self.block_size
         nb = -(-length // bs)
+        self.hwm[dst] = max(self.hwm[dst], length)
         for i in range(len(self.k)):
             self.k[i][dst, :, :length] = self.k[i][src, :, :length]
             self.v[i][dst, :, :length] = self.v[i][src, :, :length]
@@ -160,6 +183,8 @@ class KVCache:
     def _blocks(self, slot: int, first_block: int, pool_blocks: list[int], to_pool: bool) -> None:
         bs, n = self.block_size, len(pool_blocks)
         a, b = first_block * bs, (first_block + n) * bs
+        if not to_pool:
+            self.hwm[slot] = max(self.hwm[slot], b)
         ids = torch.tensor(pool_blocks, device=self.k[0].device)
         for i in range(len(self.k)):
             pairs = [(self.k[i], self.pool_k[i]), (self.v[i], self.pool_v[i])]

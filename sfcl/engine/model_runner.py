@@ -87,6 +87,7 @@ class ModelRunner:
             ids = torch.tensor([[s.last_token] for s in plan.decode], device=self.device)  # (B, 1)
             pos = torch.tensor([s.num_tokens - 1 for s in plan.decode], device=self.device)  # (B,)
             S = int(max(s.num_tokens for s in plan.decode))
+            self.kv.ensure_initialized(B, S)
             mask = torch.arange(S, device=self.device)[None, :] <= pos[:, None]  # (B, S)
             batch = AttnBatch(is_prefill=False, slots=torch.arange(B, device=self.device), positions=pos,
                               kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B))
