@@ -125,7 +125,7 @@ class LLMEngine:
         idx = len(seq.output_ids) - 1
         if res.snapshot is not None:
             ev.append((rid, self._snapshot_event(st, res, idx)))
-        if res.token_id in self.eos:
+        if res.token_id in self.eos and not seq.params.ignore_eos:
             return ev + self._finish(st, "end_turn", None)
         text, stop_hit = st.detok.add(res.token_id)
         if text:

@@ -29,6 +29,7 @@ class SamplingParams:
     snapshot_mode: str = "triggered"  # off | triggered | always
     steer: bool = False  # reserved: anchor-guided steering (issue 4); observe-only when False
     tag: str | None = None  # business tag (header x-sfcl-tag, e.g. "high-risk"): metrics label, priority
+    ignore_eos: bool = False  # keep generating past end-of-turn tokens up to max_tokens (benchmarks; vLLM's field)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
