@@ -111,3 +111,31 @@ def test_steered_request_searches_its_own_prompt(lm, nda_library):
     # without steering the prompt is neither captured nor searched
     [plain] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=4, snapshot_mode="always"))])
     assert all(h.kind != "context" for e in plain if isinstance(e, SnapshotEvent) for h in e.top)
+
+
+def test_chunked_prefill_and_prefix_cache_keep_every_prompt_position(lm, nda_library):
+    doc = contractnli_docs(6)[5].text[:900]
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarise."}], tokenize=False,
+                                            add_generation_prompt=True)
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    ca = eng.runner.context
+    calls = []
+    add = ca.add
+
+    def spy(rid, start, tap, tok_ids):
+        add(rid, start, tap, tok_ids)
+        calls.append((rid, start, int(tap.shape[0]), ca.count(rid)))
+
+    ca.add = spy
+    params = SamplingParams(max_tokens=2, snapshot_mode="always", steer=True)
+    run_to_completion(eng, [(ids, params)])
+    first = [c for c in calls if c[0] == "sync-0"]
+    assert len(first) > 1 and first[0][1] == 0  # several chunks, from position 0
+    assert all(a[1] + a[2] == b[1] for a, b in zip(first, first[1:]))  # contiguous
+    assert first[-1][1] + first[-1][2] == len(ids) and first[-1][3] == len(ids) - 1
+    calls.clear()
+    run_to_completion(eng, [(ids, params)])  # same prompt: the prefix cache skips most of it
+    again = [c for c in calls if c[0] == "sync-0"]
+    assert again and again[0][1] > 0, "expected a prefix-cache hit"
+    assert again[-1][3] == len(ids) - 1  # the skipped positions came back from the context LRU

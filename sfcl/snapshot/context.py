@@ -10,9 +10,10 @@ Capture is incremental (chunked prefill calls ``add`` once per chunk) and bounde
 at most ``max_positions`` positions; a longer prompt keeps every ``stride``-th position,
 stride = ceil((L - 1) / max_positions), decided from the full prompt length L so every chunk of
 one prompt uses the same grid. Captured chunks also go to a small LRU keyed by the hash of the
-token prefix up to each chunk's end, so a later request sharing that prefix (prefix-cache hit,
-no recompute) restores them with ``restore`` instead of losing them. (A chunk captured as the
-*end* of an earlier prompt lacks that prompt's last position; a restore leaves that one gap.)
+token prefix up to each chunk's end, so a later request sharing a prefix (prefix-cache hit, no
+recompute) restores them with ``restore`` instead of losing them, up to where the prompts diverge.
+(A chunk captured as the *end* of an earlier prompt lacks that prompt's last position; a restore
+leaves that one gap.)
 
 Engine thread only; all tensors here live on the CPU.
 """
@@ -42,6 +43,8 @@ class _Chunk:
     positions: torch.Tensor  # (m,) int64 kept positions in [start, end)
     vectors: torch.Tensor  # (m, H) float16 unit-norm
     next_ids: torch.Tensor  # (m,) int64 prompt token at position + 1
+    prefix: torch.Tensor  # (end,) int64 prompt tokens [0, end) the states depend on
+    stride: int  # capture grid of the prompt it was taken from
 
 
 @dataclass(slots=True)
@@ -112,8 +115,9 @@ class ContextAnchors:
         pos = torch.arange(first, min(end, L - 1), e.stride, dtype=torch.int64)  # (m,)
         rows = tap_hidden[(pos - start_pos).to(tap_hidden.device)].float()  # (m, H)
         vec = (rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)).to("cpu", torch.float16)
-        nxt = torch.as_tensor(e.token_ids, dtype=torch.int64)[pos + 1] if len(pos) else torch.zeros(0, dtype=torch.int64)
-        ch = _Chunk(start=start_pos, end=end, positions=pos, vectors=vec, next_ids=nxt)
+        ids = torch.as_tensor(e.token_ids, dtype=torch.int64)
+        ch = _Chunk(start=start_pos, end=end, positions=pos, vectors=vec, next_ids=ids[pos + 1],
+                    prefix=ids[:end], stride=e.stride)
         e.chunks.append(ch)
         e.covered = max(e.covered, end)
         e._cat = None
@@ -126,37 +130,35 @@ class ContextAnchors:
 
     def restore(self, request_id: str, token_ids, upto: int) -> int:
         """Reuse captured chunks for the prompt prefix [0, upto) (e.g. a prefix-cache hit that
-        skips recomputing those positions). Returns the number of positions restored from the
-        start (contiguous; 0 when the LRU holds nothing for this prefix)."""
+        skips recomputing those positions). A captured state at position p is valid for any prompt
+        that shares tokens [0, p] (causal attention), so a chunk also serves a prompt that diverges
+        inside it, up to the divergence. Returns the number of positions restored from where this
+        request's capture ended (contiguous; 0 when the LRU holds nothing for this prefix)."""
         e = self._entry(request_id, token_ids)
-        by_end = {}
-        for key, ch in self.lru.items():
-            if ch.end <= upto:
-                by_end.setdefault(ch.end, []).append((key, ch))
-        covered = e.covered
+        ids = torch.as_tensor(e.token_ids, dtype=torch.int64)
+        covered = start = e.covered
         while covered < upto:
-            nxt = None
-            for end in sorted((x for x in by_end if x > covered), reverse=True):  # longest first
-                for key, ch in by_end[end]:
-                    if ch.start <= covered and key == prefix_hash(e.token_ids, end, e.stride):
-                        nxt = (key, ch)
-                        break
-                if nxt:
-                    break
-            if nxt is None:
+            best = None  # (reach, key, chunk)
+            for key, ch in self.lru.items():
+                if ch.stride != e.stride or not ch.start <= covered < ch.end:
+                    continue
+                n = min(ch.end, len(ids))
+                diff = (ch.prefix[:n] != ids[:n]).nonzero()
+                reach = min(n if len(diff) == 0 else int(diff[0, 0]), upto)  # states valid below it
+                if reach > covered and (best is None or reach > best[0]):
+                    best = (reach, key, ch)
+            if best is None:
                 break
-            key, ch = nxt
-            keep = (ch.positions >= covered) & (ch.positions < len(e.token_ids) - 1)  # not held yet
+            reach, key, ch = best
+            keep = (ch.positions >= covered) & (ch.positions < reach) & (ch.positions < len(ids) - 1)
             pos = ch.positions[keep]
-            # the next token of a chunk's last position lies past the hashed prefix: take it from
-            # this prompt, not from the prompt the chunk was captured for
-            nxt = torch.as_tensor(e.token_ids, dtype=torch.int64)[pos + 1]
-            e.chunks.append(_Chunk(start=covered, end=ch.end, positions=pos, vectors=ch.vectors[keep], next_ids=nxt))
+            # next tokens come from this prompt: a chunk's last position looks past its own prefix
+            e.chunks.append(_Chunk(start=covered, end=reach, positions=pos, vectors=ch.vectors[keep],
+                                   next_ids=ids[pos + 1], prefix=ids[:reach], stride=e.stride))
             self.lru.move_to_end(key)
-            covered = ch.end
-        restored = covered - e.covered
+            covered = reach
         e.covered, e._cat = covered, None
-        return restored
+        return covered - start
 
     def has(self, request_id: str) -> bool:
         e = self.requests.get(request_id)
