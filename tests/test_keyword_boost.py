@@ -30,12 +30,14 @@ def test_parse_and_match_rules():
     assert kind_multipliers([r], "Which party shall INDEMNIFY the other?") == {"general": 1.5}
     assert kind_multipliers([r], "How long does the agreement last?") == {}
     two = parse_rules(RULES + [{"keywords": "law", "kinds": ["general", "domain"], "multiplier": 1.2}])
-    assert kind_multipliers(two, "governing law") == {"general": 1.5, "domain": 1.2}  # largest wins
+    got = kind_multipliers(two, "governing law")  # matching rules multiply, as the store documents
+    assert got == {"general": pytest.approx(1.8), "domain": pytest.approx(1.2)}
 
 
 @pytest.mark.parametrize("bad", [
     [{"keywords": [], "kinds": ["domain"]}],
     [{"keywords": ["x"], "kinds": []}],
+    [{"keywords": ["x"]}, 3],
     [{"keywords": ["x"], "kinds": ["domain"], "multiplier": 0}],
     [{"keywords": ["x"], "kinds": ["domain"], "multiplier": "2"}],
     {"no_rules": []},
@@ -91,10 +93,10 @@ def test_boost_applies_to_requests_mentioning_a_keyword(lm, nda_library):
     assert len(plain) == len(boosted) == 6
     assert all(b == pytest.approx(min(1.0, 1.5 * p), rel=1e-5) for p, b in zip(plain, boosted))
     assert any(p < 1.0 and b > p for p, b in zip(plain, boosted))
-    # rules from the library itself (read defensively: libraries without the field have none)
+    # rules from the library's manifest (sfcl anchors boost writes them; older libraries have none)
     assert library_rules(nda_library) == []
-    lib = dataclasses.replace(nda_library)
-    lib.keyword_boost = RULES
+    lib = dataclasses.replace(nda_library, manifest={**nda_library.manifest, "keyword_boost": RULES})
+    assert library_rules(lib) == parse_rules(RULES)
     eng.runner.snapshotter = Snapshotter(lib, table)
     assert snapshot_confidences(eng, with_kw) == pytest.approx(boosted, rel=1e-6)
     # a request without the keyword is not boosted

@@ -7,7 +7,9 @@ from the server flag ``--keyword-boost FILE.json`` (a JSON list of rules, or ``{
 At admission the engine matches the request text once (case-insensitive substring match, so a
 keyword stem like ``indemnif`` matches "indemnify" and "indemnification"); at snapshot time each
 retrieved anchor's confidence is multiplied by its kind's multiplier and clamped to 1. When several
-matching rules name the same kind the largest multiplier wins (multipliers do not compound).
+matching rules name the same kind their multipliers multiply, as ``sfcl.anchors.store.KeywordBoost``
+documents for library rules. Library rules name "general"/"domain"; flag rules may also name
+"context" (the request's own prompt anchors).
 
 Pure Python, no torch; called on the engine thread.
 """
@@ -44,7 +46,7 @@ def parse_rules(obj, source: str = "keyword boost rules") -> list[KeywordRule]:
             rules.append(r)
             continue
         get = r.get if isinstance(r, dict) else (lambda k, d=None, r=r: getattr(r, k, d))
-        kw, kinds, mult = get("keywords"), get("kinds"), get("multiplier", 1.5)
+        kw, kinds, mult = get("keywords"), get("kinds", ["domain"]), get("multiplier", 1.5)
         if isinstance(kw, str):
             kw = [kw]
         if isinstance(kinds, str):
@@ -75,7 +77,8 @@ def library_rules(lib) -> list[KeywordRule]:
 
 
 def kind_multipliers(rules: list[KeywordRule], text: str) -> dict[str, float]:
-    """Multiplier per anchor kind for a request whose text is ``text`` ({} when nothing matches)."""
+    """Multiplier per anchor kind for a request whose text is ``text`` ({} when nothing matches);
+    matching rules naming the same kind multiply."""
     if not rules or not text:
         return {}
     low = text.lower()
@@ -83,7 +86,7 @@ def kind_multipliers(rules: list[KeywordRule], text: str) -> dict[str, float]:
     for r in rules:
         if any(k in low for k in r.keywords):
             for kind in r.kinds:
-                out[kind] = max(out.get(kind, 0.0), r.multiplier)
+                out[kind] = out.get(kind, 1.0) * r.multiplier
     return out
 
 

@@ -59,13 +59,15 @@ class SnapshotHit:
 
 
 def library_version(lib: AnchorLibrary) -> str:
-    """The library's version: its manifest ``version`` when it has one, else the first 12 hex
-    digits of the tensor file's sha256 (each written version is a new immutable directory)."""
+    """Short id of a library version: ``vNNNN:<content hash[:12]>`` for a version written under a
+    versioned root (``sfcl.anchors.versions``), else the first 12 hex digits of its content hash
+    (each write is a new immutable directory, so equal ids mean equal anchors)."""
+    files = lib.manifest.get("files") or {}
+    h = getattr(lib, "content_hash", None) or files.get("anchors.safetensors") or lib.path.name
     v = lib.manifest.get("version")
-    if v is not None:
-        return str(v)
-    sha = (lib.manifest.get("files") or {}).get("anchors.safetensors") or ""
-    return sha[:12] or lib.path.name
+    if isinstance(v, dict) and isinstance(v.get("number"), int):
+        return f"v{v['number']:04d}:{h[:12]}"
+    return h[:12]
 
 
 class SnapshotState:
