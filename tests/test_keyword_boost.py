@@ -82,7 +82,8 @@ def test_boost_applies_to_requests_mentioning_a_keyword(lm, nda_library):
     table = eng.runner.snapshotter.class_table
 
     def chat(q):
-        t = lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        t = lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True)
         return lm.tokenizer(t, add_special_tokens=False)["input_ids"]
 
     with_kw = chat("Which governing law applies to this agreement?")

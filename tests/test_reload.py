@@ -151,3 +151,24 @@ def test_sighup_reloads_the_configured_path(lm, nda_library, tiny_library, tmp_p
         except subprocess.TimeoutExpired:
             proc.kill()
         err.close()
+
+
+def test_reload_without_a_path_follows_the_root_current_pointer(lm, nda_library, tiny_library, tmp_path):
+    root = tmp_path / "libs"
+    root.mkdir()
+    shutil.copytree(nda_library.path, root / "v0001")
+    shutil.copytree(tiny_library, root / "v0002")
+    (root / "CURRENT").write_text("v0001\n")
+    reload = make_reloader(lm, SnapshotConfig(anchors=str(root)))
+    lib, snap = reload(None)
+    assert lib.path.name == "v0001" and snap.lib is lib and lib.n_anchors == nda_library.n_anchors
+    (root / "CURRENT").write_text("v0002\n")  # a lifecycle command moved CURRENT
+    lib, snap = reload(None)
+    assert lib.path.name == "v0002" and lib.n_anchors == 4
+    with pytest.raises(Exception, match="fingerprint|model"):
+        other = tmp_path / "other"
+        shutil.copytree(tiny_library, other)
+        m = json.loads((other / "manifest.json").read_text())
+        m["model_fingerprint"] = "0" * 12
+        (other / "manifest.json").write_text(json.dumps(m))
+        reload(str(other))

@@ -73,7 +73,8 @@ def load_rules(path) -> list[KeywordRule]:
 
 def library_rules(lib) -> list[KeywordRule]:
     """The library's own rules (``lib.keyword_boost``; none for formats without them)."""
-    return parse_rules(getattr(lib, "keyword_boost", None) or [], f"anchor library {getattr(lib, 'path', '')} keyword_boost")
+    src = f"anchor library {getattr(lib, 'path', '')} keyword_boost"
+    return parse_rules(getattr(lib, "keyword_boost", None) or [], src)
 
 
 def kind_multipliers(rules: list[KeywordRule], text: str) -> dict[str, float]:

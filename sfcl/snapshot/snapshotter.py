@@ -204,7 +204,8 @@ class Snapshotter:
             mult = boosts[r] if boosts else {}
             hits.append(SnapshotHit(
                 triggers=triggers[r] if triggers else [], anchor_ids=[e[1] for e in ent],
-                scores=[e[0] for e in ent], confidence=boosted_confidence([e[3] for e in ent], [e[4] for e in ent], mult),
+                scores=[e[0] for e in ent],
+                confidence=boosted_confidence([e[3] for e in ent], [e[4] for e in ent], mult),
                 lookup_ms=0.0, context=[e[2] for e in ent], kinds=[e[4] for e in ent],
                 next_ids=[e[5] for e in ent], library_version=self.version))
         ms = (time.perf_counter() - t0) * 1e3
