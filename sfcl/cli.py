@@ -70,6 +70,7 @@ def _configs(a):
                       prefix_cache_tokens=a.prefix_cache_tokens)
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
+                        keyword_boost=getattr(a, "keyword_boost", None),
                         cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
     return mc, ec, sc
 
@@ -81,6 +82,10 @@ def cmd_serve(a) -> int:
     from sfcl.serving import build_engine
 
     mc, ec, sc = _configs(a)
+    if sc.keyword_boost:
+        from sfcl.snapshot.boost import load_rules
+
+        load_rules(sc.keyword_boost)  # a bad rule file fails before the model loads (ValueError: exit 2)
     built = build_engine(mc, ec, sc)
     api_key = a.api_key or os.environ.get("SFCL_API_KEY") or None
     app = create_app(built.engine, api_key=api_key, default_snapshot_mode=sc.default_mode)
@@ -91,6 +96,19 @@ def cmd_serve(a) -> int:
     print(f"sfcl: serving {built.lm.name} on http://{a.host}:{a.port} "
           f"(snapshots: {'on, ' + str(built.library.n_anchors) + ' anchors' if built.library else 'off'})",
           file=sys.stderr, flush=True)
+    built.library = None  # the engine owns the library now: a reload must be able to release it
+
+    def reload_on_sighup(sig, frame) -> None:  # like POST /admin/anchors/reload, from the configured path
+        def work() -> None:
+            try:
+                info = built.engine.reload_anchors(None)
+                print(f"[ANCHOR] reloaded {info['path']} (version {info['version']}, {info['n_anchors']} anchors)",
+                      file=sys.stderr, flush=True)
+            except Exception as e:  # the old library stays in use
+                print(f"[ANCHOR] reload refused, the current library stays: {e}", file=sys.stderr, flush=True)
+        threading.Thread(target=work, name="sfcl-reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, reload_on_sighup)
     # Graceful shutdown: on SIGTERM/SIGINT uvicorn stops accepting and waits for open streams;
     # after --shutdown-timeout the engine ends whatever still runs with a proper stop event
     # (stop_reason max_tokens), so clients see a well-formed end, and the process exits 0.
@@ -232,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics on this port without the API key (for a scraper on a private network)")
+    s.add_argument("--keyword-boost", default=None, metavar="FILE.json",
+                   help="keyword-boost rules added to the library's own: a JSON list of {\"keywords\": [...], "
+                        "\"kinds\": [\"domain\"], \"multiplier\": 1.5}")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open streams may run after SIGTERM before they are ended with a stop event")
     s.set_defaults(fn=cmd_serve)

@@ -22,6 +22,7 @@ from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
 from sfcl.model.loader import LoadedModel, load_model
+from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.snapshotter import Snapshotter
 
@@ -106,7 +107,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     if lib is not None:
         if not 0 <= lib.layer < lm.args.n_layers:
             raise AnchorLibraryError(f"library layer {lib.layer} does not exist in {lm.name}")
-        snap = Snapshotter(lib, vocab_class_table(lm.tokenizer, lm.args.vocab_size, device), top_k=scfg.top_k)
+        snap = Snapshotter(lib, vocab_class_table(lm.tokenizer, lm.args.vocab_size, device), top_k=scfg.top_k,
+                           keyword_boost=load_rules(scfg.keyword_boost) if scfg.keyword_boost else None)
     layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
     max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
     dtype = next(lm.model.parameters()).dtype
@@ -119,6 +121,26 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
                                       max_num_batched_tokens=ecfg.max_num_batched_tokens,
                                       block_size=ecfg.block_size, prefix_cache_blocks=pool_blocks))
     return LLMEngine(sched, runner, lm.tokenizer, lm.eos_token_ids, lib)
+
+
+def make_reloader(lm: LoadedModel, scfg: SnapshotConfig, device: str = "cpu"):
+    """``reload(path | None) -> (AnchorLibrary, Snapshotter)`` for ``AsyncEngine.reload_anchors``:
+    loads and fully validates (checksums, model fingerprint, hidden size, calibration, keyword
+    rules) the library at ``path`` (default: the configured one, so a ``current -> vN`` symlink is
+    re-resolved). Raises AnchorLibraryError; nothing is swapped by this function."""
+    table = vocab_class_table(lm.tokenizer, lm.args.vocab_size, device)
+
+    def reload(path: str | None = None):
+        p = Path(path) if path else (Path(scfg.anchors) if scfg.anchors else default_library_path(lm, scfg))
+        lib = load_library(p, expect_fingerprint=lm.fingerprint, expect_hidden_size=lm.args.hidden_size,
+                           expect_model_name=lm.name)
+        try:
+            rules = load_rules(scfg.keyword_boost) if scfg.keyword_boost else None
+            return lib, Snapshotter(lib, table, top_k=scfg.top_k, keyword_boost=rules)
+        except ValueError as e:
+            lib.close()
+            raise AnchorLibraryError(f"anchor library {p}: {e}") from e
+    return reload
 
 
 @dataclass(slots=True)
@@ -142,5 +164,6 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
                "n_anchors": lib.n_anchors if lib else 0, "price_per_hour": ecfg.price_per_hour,
                "kv_slots": ecfg.max_num_seqs}
     ae = AsyncEngine(engine, model_name=lm.name, max_model_len=max_len, tokenizer=lm.tokenizer,
-                     extra_health=extra, num_threads=mcfg.threads, metrics_kwargs=metrics)
+                     extra_health=extra, num_threads=mcfg.threads, metrics_kwargs=metrics,
+                     reloader=make_reloader(lm, scfg, mcfg.device))
     return Built(engine=ae, lm=lm, library=lib)

@@ -9,6 +9,7 @@ fills through ``loop.call_soon_threadsafe``. ``AsyncEngine`` implements
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
 import os
 import queue
@@ -91,6 +92,13 @@ class EngineThread:
             except Exception:  # never let one request's intake end the engine thread
                 log.exception("could not add request %s", rid)
                 self._emit([(rid, ErrorEvent("internal error while queueing the request", "api_error"))])
+        elif cmd[0] == "swap":  # anchor library reload: between steps, on this thread
+            _, lib, snap, fut = cmd
+            try:
+                self.engine.swap_library(lib, snap)
+                fut.set_result(None)
+            except Exception as e:  # pragma: no cover - swap_library only assigns
+                fut.set_exception(e)
         elif cmd[0] == "finish_all":
             self._emit(self.engine.finish_all())
         elif cmd[0] == "abort":
@@ -150,7 +158,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, model_name: str, max_model_len: int, tokenizer,
                  extra_health: dict | None = None, num_threads: int | None = None,
-                 metrics_kwargs: dict | None = None):
+                 metrics_kwargs: dict | None = None, reloader: Callable | None = None):
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -164,7 +172,57 @@ class AsyncEngine:
         self.metrics.watch_queue(lambda: sched.num_running, lambda: sched.num_waiting)
         self.metrics.watch_requests(lambda rid: (st := engine.requests.get(rid)) and st.seq.params.snapshot_mode)
         self.thread = EngineThread(engine, num_threads, self.metrics)
+        self._reloader = reloader  # path | None -> (AnchorLibrary, Snapshotter), validated; see sfcl.serving
+        self._reload_lock = threading.Lock()
+        self._library_info = None
+        if engine.library is not None:
+            self._set_library_info(engine.library)
         self.thread.start()
+
+    def _set_library_info(self, lib) -> dict:
+        from sfcl.snapshot.snapshotter import library_version
+
+        info = {"path": str(lib.path), "version": library_version(lib), "n_anchors": lib.n_anchors,
+                "layer": lib.layer, "created": lib.manifest.get("created"), "model_name": lib.manifest.get("model_name")}
+        self._extra_health["anchors"] = info
+        self.metrics.n_anchors = lib.n_anchors
+        try:
+            if self._library_info is None:
+                from prometheus_client import Info
+
+                self._library_info = Info("sfcl_anchor_library", "Anchor library in use for new requests",
+                                          registry=self.metrics.registry)
+            self._library_info.info({k: str(v) for k, v in info.items()})
+        except Exception:  # metrics are best effort; health still says the version
+            log.exception("could not export the anchor library version")
+        return info
+
+    def reload_anchors(self, path: str | None = None, timeout_s: float = 60.0) -> dict:
+        """Load and validate the library at ``path`` (default: the configured one) on the calling
+        thread, then swap it in on the engine thread between two steps. Requests admitted from then
+        on use it; in-flight ones finish on the version they started with, and the old memory map
+        is released when the last of them ends. Returns the new library's summary (path, version,
+        n_anchors, layer, created, model_name, previous_version).
+        Raises NotImplementedError (no reloader), AnchorLibraryError / ValueError (missing, damaged,
+        other model, other snapshot layer: the old library stays), TimeoutError.
+        """
+        from sfcl.anchors.store import AnchorLibraryError
+
+        if self._reloader is None:
+            raise NotImplementedError("this engine was built without a library reloader")
+        with self._reload_lock:
+            lib, snap = self._reloader(path)
+            if lib.layer != self.engine.runner.tap_layer:
+                raise AnchorLibraryError(f"anchor library {lib.path} is for snapshot layer {lib.layer}, but this "
+                                         f"server taps layer {self.engine.runner.tap_layer}; restart to change layers")
+            prev = (self._extra_health.get("anchors") or {}).get("version")
+            fut: cf.Future = cf.Future()
+            self.thread.inbox.put(("swap", lib, snap, fut))
+            fut.result(timeout=timeout_s)
+            self.snapshots_available = True
+            self.metrics.snapshots_enabled.set(1)
+            log.warning("anchor library reloaded: %s", lib.path)
+            return {**self._set_library_info(lib), "previous_version": prev}
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
         """Chat template (generation prompt added) -> token ids, with message text that can never

@@ -19,6 +19,7 @@ from sfcl.engine.events import AnchorHit, EngineEvent, ErrorEvent, Finished, Sna
 from sfcl.engine.model_runner import ModelRunner, RunnerOutput, SeqResult
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import Scheduler, SchedulerOutput, Sequence
+from sfcl.snapshot.snapshotter import Binding
 
 log = logging.getLogger("sfcl.engine")
 
@@ -30,6 +31,7 @@ class RequestState:
     n_snapshots: int = 0
     trigger_counts: Counter = field(default_factory=Counter)
     anchor_counts: Counter = field(default_factory=Counter)
+    bind: Binding | None = None  # library version + keyword boost this request runs with
 
 
 @dataclass(slots=True)
@@ -65,12 +67,21 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id}")
         seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
         self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(seq=seq, detok=IncrementalDetokenizer(self.tok, params.stop))
+        snap = self.runner.snapshotter  # keyword boost matches the prompt text once, at admission
+        text = self.tok.decode(prompt_ids, skip_special_tokens=True) if snap is not None and snap.rules else None
+        self.requests[request_id] = RequestState(seq=seq, detok=IncrementalDetokenizer(self.tok, params.stop),
+                                                 bind=self.runner.admit(request_id, text))
         return [(request_id, Started(request_id=request_id, prompt_tokens=len(prompt_ids)))]
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id):
             self._drop(request_id)
+
+    def swap_library(self, library, snapshotter) -> None:
+        """Make ``library`` (with its ``snapshotter``) current for requests admitted from now on;
+        running requests keep the version they were admitted with. Call between steps only."""
+        self.library = library
+        self.runner.snapshotter = snapshotter
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -138,15 +149,24 @@ class LLMEngine:
 
     def _snapshot_event(self, st: RequestState, res: SeqResult, idx: int) -> SnapshotEvent:
         hit = res.snapshot
-        lib = self.library
-        top = [AnchorHit(anchor_id=a, score=s, kind=lib.kind_name(a), span=lib.span(a))
-               for a, s in zip(hit.anchor_ids, hit.scores)]
+        lib = st.bind.snap.lib if st.bind is not None else self.library
+        ctx = hit.context or [False] * len(hit.anchor_ids)
+        rid = st.seq.request_id
+        top = [AnchorHit(anchor_id=a, score=s, kind="context", span={
+                   "doc_id": "prompt", "start": a, "end": a + 1, "unit": "token",
+                   "text": self.runner.context.span_text(rid, a, self.tok)}) if c else
+               AnchorHit(anchor_id=a, score=s, kind=lib.kind_name(a), span=lib.span(a))
+               for a, s, c in zip(hit.anchor_ids, hit.scores, ctx)]
+        best = hit.best_library_anchor  # the event's anchor_id is always a library row
         st.trigger_counts.update(hit.triggers)
-        st.anchor_counts[hit.anchor_ids[0]] += 1
+        st.anchor_counts[best] += 1
+        steer = None if hit.steer is None else {"lambda": hit.steer.lam, "changed": hit.steer.changed,
+                                                "original_token": self.tok.decode([hit.steer.original_token])}
         e = SnapshotEvent(snapshot_id=st.n_snapshots, token_index=idx, trigger=hit.triggers[0],
-                          triggers=hit.triggers, anchor_id=hit.anchor_ids[0], confidence=hit.confidence,
+                          triggers=hit.triggers, anchor_id=best, confidence=hit.confidence,
                           token=self.tok.decode([res.token_id]), token_logprob=res.logprob,
-                          entropy=res.entropy, top=top, lookup_ms=hit.lookup_ms)
+                          entropy=res.entropy, top=top, lookup_ms=hit.lookup_ms,
+                          library_version=hit.library_version or None, steer=steer)
         st.n_snapshots += 1
         return e
 
@@ -158,13 +178,14 @@ class LLMEngine:
             ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
         self.scheduler.finish(seq, reason)
         n_out = len(seq.output_ids)
+        lib = st.bind.snap.lib if st.bind is not None else self.library
         summary = {
             "mode": seq.params.snapshot_mode,
             "lookups": st.n_snapshots,
             "lookups_per_1k_tokens": round(1000.0 * st.n_snapshots / max(1, n_out), 2),
             "triggers": dict(st.trigger_counts),
             "top_anchors": [
-                {"anchor_id": a, "count": c, "span": self.library.span(a) if self.library else None}
+                {"anchor_id": a, "count": c, "span": lib.span(a) if lib is not None and a >= 0 else None}
                 for a, c in st.anchor_counts.most_common(5)
             ],
         }

@@ -26,7 +26,8 @@ class AnchorHit:
     anchor_id: int  # row in the anchor library, 0 <= anchor_id < N
     score: float  # inner product of unit-norm query and anchor vectors, in [-1, 1]
     kind: str  # "general" | "domain" | "context"
-    span: dict  # {"doc_id": str, "start": int, "end": int, "text": str} (char offsets in doc)
+    span: dict  # {"doc_id": str, "start": int, "end": int, "text": str} (char offsets in doc);
+    # context anchors: {"doc_id": "prompt", "start"/"end": token positions, "unit": "token", "text"}
 
 
 @dataclass(slots=True)
@@ -54,6 +55,8 @@ class SnapshotEvent:
     entropy: float  # next-token entropy in nats
     top: list[AnchorHit] = field(default_factory=list)  # top-k anchors, best first
     lookup_ms: float = 0.0  # wall time of the anchor search for this step, milliseconds
+    library_version: str | None = None  # anchor library version the request runs on (reload-safe)
+    steer: dict | None = None  # steered requests: {"lambda", "original_token", "changed"}
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     snapshot_mode: str = "triggered"  # off | triggered | always
-    steer: bool = False  # reserved: anchor-guided steering (issue 4); observe-only when False
+    steer: bool = False  # anchor-guided steering (kNN-LM) + context anchors; observe-only when False
     tag: str | None = None  # business tag (header x-sfcl-tag, e.g. "high-risk"): metrics label, priority
     ignore_eos: bool = False  # keep generating past end-of-turn tokens up to max_tokens (benchmarks; vLLM's field)
 

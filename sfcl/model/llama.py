@@ -210,7 +210,7 @@ class ForwardOut:
     """Result of one forward call (tensors stay on the model's device)."""
 
     logits: torch.Tensor  # (B, V) float32 for the last new token of each sequence (all T if all_logits)
-    tap_hidden: torch.Tensor  # (B, T_out, H) residual stream after the snapshot layer (T_out = T or 1)
+    tap_hidden: torch.Tensor  # (B, T_out, H) residual stream after the snapshot layer (T_out = T or 1; T with tap_all)
     tap_probs: torch.Tensor | None  # (B, nh, T_out, S) float32 snapshot-layer attention weights
 
 
@@ -243,7 +243,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, tap_layer: int,
-                all_positions: bool = False, want_probs: bool = True) -> ForwardOut:
+                all_positions: bool = False, want_probs: bool = True, tap_all: bool = False) -> ForwardOut:
+        """tap_all: return the tap hidden state for every position (B, T, H) while logits and
+        attention weights stay last-position only (context-anchor capture during prefill)."""
         B, T = ids.shape
         h = self.embed_tokens(ids)  # (B, T, H)
         if batch.is_prefill:
@@ -262,7 +264,7 @@ class LlamaModel(nn.Module):
             h = h + attn_out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if is_tap:
-                tap_hidden = h if all_positions else h[:, -1:]
+                tap_hidden = h if all_positions or tap_all else h[:, -1:]
                 if probs is not None:
                     tap_probs = probs if all_positions else probs[:, :, -1:]
         hn = self.norm(h if all_positions else h[:, -1:])

@@ -4,8 +4,8 @@ Wire format follows https://docs.anthropic.com/en/api/messages and .../messages-
 ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``..., ``content_block_stop``,
 ``message_delta``, ``message_stop``. SFCL adds:
 
-* request fields ``snapshot_mode`` ("off" | "triggered" | "always") and ``steer``; the header
-  ``x-sfcl-snapshot`` overrides ``snapshot_mode``;
+* request fields ``snapshot_mode`` ("off" | "triggered" | "always") and ``steer``; the headers
+  ``x-sfcl-snapshot`` and ``x-sfcl-steer: on|off`` override them;
 * stream event ``snapshot_triggered`` (with an ``id:`` line = snapshot id) whenever the engine
   looks up the anchor library; clients that do not know it ignore it (the SDKs do);
 * ``sfcl`` field on the final message (``{"snapshots": summary, "snapshot_events": [...]}``) and
@@ -29,7 +29,7 @@ from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
                                 new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                snapshot_dict, start_generation)
+                                resolve_steer, snapshot_dict, start_generation)
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable, log
 from sfcl.server.sse import named_event, sse_response
 
@@ -62,7 +62,8 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = False
+    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
+                        "header x-sfcl-steer: on|off wins")
 
 
 def _text(content: Union[str, list[TextBlock], None]) -> str:
@@ -233,7 +234,8 @@ async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Respo
         temperature=request.app.state.default_temperature if req.temperature is None
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, steer=req.steer, tag=rlog.tag)
+        stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, tag=rlog.tag,
+        steer=resolve_steer(request, req.steer, mode))
     prompt_ids = await encode_prompt(engine, messages, system)
     check_context(engine, len(prompt_ids), req.max_tokens)
     rlog.prompt_tokens = len(prompt_ids)

@@ -8,6 +8,8 @@ Routes:
   GET  /health               ``engine.health()`` + ``"status": "ok"`` (never needs the API key)
   GET  /metrics              Prometheus exposition (``sfcl.metrics``)
   GET  /dashboard[/data]     built-in live dashboard and its JSON (``sfcl.server.dashboard``)
+  POST /admin/anchors/reload  swap in an anchor library (body optional: {"path": DIR}); in-flight
+                             requests finish on their version (``AsyncEngine.reload_anchors``)
 
 Usage::
 
@@ -20,13 +22,14 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
+import anyio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from sfcl.engine.events import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
-from sfcl.server.common import check_api_key, setup_request_logger
+from sfcl.server.common import check_api_key, read_json, setup_request_logger
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
@@ -107,6 +110,36 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         if m is None:
             raise ApiError(404, "this engine exports no metrics")
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/admin/anchors/reload", include_in_schema=False)
+    async def reload_anchors(request: Request) -> JSONResponse:
+        """Reload the anchor library without a restart. Errors come in the caller's API format
+        (Anthropic when it sends ``anthropic-version``); a refused library leaves the old one."""
+        openai = error_style(request) == "openai"
+        check_api_key(request, openai=openai)
+        body = await request.body()
+        path = None
+        if body.strip():
+            data = await read_json(request)
+            if not isinstance(data, dict) or not isinstance(data.get("path", ""), (str, type(None))) \
+                    or set(data) - {"path"}:
+                raise ApiError(400, "body: expected {} or {\"path\": \"LIBRARY_DIR\"}", param="body")
+            path = data.get("path") or None
+        reload = getattr(engine, "reload_anchors", None)
+        if reload is None:
+            raise ApiError(404, "this engine cannot reload anchor libraries")
+        from sfcl.anchors.store import AnchorLibraryError
+
+        try:
+            summary = await anyio.to_thread.run_sync(reload, path)
+        except NotImplementedError as e:
+            raise ApiError(404, str(e)) from None
+        except (AnchorLibraryError, ValueError, OSError) as e:
+            raise ApiError(400, f"anchor library refused, the current one stays: {e}",
+                           param="path") from None
+        except TimeoutError:
+            raise ApiError(504, "the engine did not take the new library in time; the current one stays") from None
+        return JSONResponse({"status": "reloaded", "anchors": summary})
 
     install_dashboard(app)
     install_openapi(app)

@@ -41,6 +41,7 @@ request_log = logging.getLogger("sfcl.requests")
 
 SNAPSHOT_HEADER = "x-sfcl-snapshot"
 TAG_HEADER = "x-sfcl-tag"
+STEER_HEADER = "x-sfcl-steer"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 KEEPALIVE = object()  # returned by EngineEvents.next when the engine was silent for `timeout`
 
@@ -269,6 +270,25 @@ def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
     return mode
 
 
+def resolve_steer(request: Request, body_steer: bool, mode: str) -> bool:
+    """Header ``x-sfcl-steer: on|off`` > body ``steer``. Steering acts when a snapshot fires, so
+    asking for it with snapshot mode ``off`` is a 400 rather than a silent no-op."""
+    header = request.headers.get(STEER_HEADER)
+    if header is not None:
+        v = header.strip().lower()
+        if v not in ("on", "off", "true", "false", "1", "0"):
+            raise ApiError(400, f"{STEER_HEADER}: invalid value {header!r}; expected on or off",
+                           param=STEER_HEADER)
+        steer = v in ("on", "true", "1")
+    else:
+        steer = bool(body_steer)
+    if steer and mode == "off":
+        src = STEER_HEADER if header is not None else "steer"
+        raise ApiError(400, f"{src}: steering needs snapshots; use snapshot_mode 'triggered' or 'always'",
+                       param=src)
+    return steer
+
+
 # Below these the sampler's float32 math breaks (logits / T overflows, top_p rounds to 0) and the
 # engine step fails for every request in the batch. Both limits are the greedy limit anyway: a
 # temperature under MIN_TEMPERATURE is sampled as 0 (argmax), and a top_p of MIN_TOP_P already
@@ -345,6 +365,8 @@ def snapshot_dict(ev: SnapshotEvent) -> dict:
         "entropy": ev.entropy,
         "top": top,
         "lookup_ms": ev.lookup_ms,
+        "library_version": getattr(ev, "library_version", None),
+        "steer": getattr(ev, "steer", None),
     })
 
 

@@ -6,7 +6,7 @@ chunk with ``{"role": "assistant", "content": ""}``, content chunks, a chunk wit
 ``data: [DONE]``. Keepalive is the comment line ``: ping``. An engine error mid-stream is sent as
 ``data: {"error": {...}}`` and the stream ends (no ``[DONE]``).
 
-SFCL additions: request fields ``snapshot_mode`` / ``steer`` (header ``x-sfcl-snapshot`` wins);
+SFCL additions: request fields ``snapshot_mode`` / ``steer`` (headers ``x-sfcl-snapshot`` / ``x-sfcl-steer`` win);
 a snapshot rides on a chunk with an empty delta as ``"sfcl_snapshot": {...}`` (same dict as the
 Anthropic route's ``snapshot_triggered`` data); the finish chunk and the non-streaming response
 carry ``sfcl``.
@@ -27,7 +27,7 @@ from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
                                 new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                snapshot_dict, start_generation)
+                                resolve_steer, snapshot_dict, start_generation)
 from sfcl.server.errors import (ANTHROPIC_STATUS, ApiError, jsonable, log, openai_error_body,
                                 openai_type_for)
 from sfcl.server.sse import DONE, comment_event, data_event, sse_response
@@ -70,7 +70,8 @@ class ChatCompletionRequest(BaseModel):
     seed: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = False
+    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
+                        "header x-sfcl-steer: on|off wins")
 
 
 def to_engine_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -223,7 +224,8 @@ async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
         temperature=request.app.state.default_temperature if req.temperature is None
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        stop=stop, seed=req.seed, snapshot_mode=mode, steer=req.steer, tag=rlog.tag)
+        stop=stop, seed=req.seed, snapshot_mode=mode, tag=rlog.tag,
+        steer=resolve_steer(request, req.steer, mode))
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {"x-request-id": rid}

@@ -4,7 +4,14 @@ Owned by the model runner (engine thread). Per step it receives, for every seque
 the sampled token, its model log-probability, the snapshot layer's attention dispersion and hidden
 state (all tensors on the model's device), keeps a little per-KV-slot state (last dispersion
 values, previous token's entity state), decides which sequences trigger, and runs *one* batched
-top-k search for all of them. Snapshots observe only: nothing here changes the sampled tokens.
+top-k search for all of them. Snapshots observe only, unless a request asked for steering
+(``sfcl.snapshot.steering``; the runner re-samples that token from the kNN-LM mixture).
+
+Each request is bound at admission to the Snapshotter current at that time (a ``Binding``), so a
+library reload (``LLMEngine.swap_library``) never changes the anchors under an in-flight request;
+the old library is unmapped once the last request bound to it is released. Steering requests
+also search their own prompt (``sfcl.snapshot.context``), and keyword-boost rules
+(``sfcl.snapshot.boost``) scale the confidence of matching anchor kinds.
 
 The anchor library is CPU-resident and memory-mapped (``sfcl.anchors.store``); the search copy
 is bfloat16 with exact float32 re-scoring (about 1.2 ms for 32,768 x 576 on 2 cores).
@@ -13,13 +20,16 @@ is bfloat16 with exact float32 re-scoring (about 1.2 ms for 32,768 x 576 on 2 co
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sfcl.anchors.store import AnchorIndex, AnchorLibrary
 from sfcl.snapshot import entity
-from sfcl.snapshot.triggers import (TRIGGER_NAMES, Calibration, TriggerConfig, anchor_confidence,
+from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
+from sfcl.snapshot.context import ContextAnchors
+from sfcl.snapshot.steering import SteerConfig, SteerInfo
+from sfcl.snapshot.triggers import (TRIGGER_NAMES, Calibration, TriggerConfig,
                                     dispersion_trigger, entity_low_confidence, surprisal_trigger)
 
 MODE_OFF, MODE_TRIGGERED, MODE_ALWAYS = 0, 1, 2
@@ -31,10 +41,33 @@ class SnapshotHit:
     """Plain result of one lookup (crosses into the engine's update)."""
 
     triggers: list[str]  # names of the triggers that fired ("always" in always mode without one)
-    anchor_ids: list[int]  # top-k, best first
+    anchor_ids: list[int]  # top-k, best first: library row, or prompt position where context[i]
     scores: list[float]  # cosine similarities
-    confidence: float  # in [0, 1]
+    confidence: float  # in [0, 1], after keyword boost
     lookup_ms: float  # wall time of the batched search this hit was part of
+    context: list[bool] = field(default_factory=list)  # per entry: a context (prompt) anchor
+    kinds: list[str] = field(default_factory=list)  # per entry: "general" | "domain" | "context" ...
+    next_ids: list[int] = field(default_factory=list)  # per context entry: the prompt's next token
+    library_version: str = ""  # version of the library this lookup searched
+    steer: SteerInfo | None = None  # set when the token was re-sampled from the steered mixture
+
+    @property
+    def best_library_anchor(self) -> int:
+        """Best library anchor id (-1 if every entry is a context anchor)."""
+        return next((a for a, c in zip(self.anchor_ids, self.context) if not c), -1) if self.context \
+            else (self.anchor_ids[0] if self.anchor_ids else -1)
+
+
+def library_version(lib: AnchorLibrary) -> str:
+    """Short id of a library version: ``vNNNN:<content hash[:12]>`` for a version written under a
+    versioned root (``sfcl.anchors.versions``), else the first 12 hex digits of its content hash
+    (each write is a new immutable directory, so equal ids mean equal anchors)."""
+    files = lib.manifest.get("files") or {}
+    h = getattr(lib, "content_hash", None) or files.get("anchors.safetensors") or lib.path.name
+    v = lib.manifest.get("version")
+    if isinstance(v, dict) and isinstance(v.get("number"), int):
+        return f"v{v['number']:04d}:{h[:12]}"
+    return h[:12]
 
 
 class SnapshotState:
@@ -44,22 +77,44 @@ class SnapshotState:
         self.disp = torch.zeros(n_slots, window, device=device)  # last `window` dispersion values
         self.count = torch.zeros(n_slots, dtype=torch.int64, device=device)  # values seen (capped)
         self.ent = torch.full((n_slots,), entity.SENT_END, dtype=torch.uint8, device=device)
+        self.ent_prev = self.ent.clone()  # entity state before the last token (steering re-derives it)
         self.window = window
 
     def reset(self, slot: int) -> None:
         self.disp[slot] = 0
         self.count[slot] = 0
         self.ent[slot] = entity.SENT_END
+        self.ent_prev[slot] = entity.SENT_END
 
     def move(self, src: int, dst: int) -> None:
         self.disp[dst] = self.disp[src]
         self.count[dst] = self.count[src]
         self.ent[dst] = self.ent[src]
+        self.ent_prev[dst] = self.ent_prev[src]
+
+
+@dataclass(slots=True)
+class Binding:
+    """A request's snapshot set-up, fixed at admission."""
+
+    snap: "Snapshotter"  # the library version this request runs on until it ends
+    boost: dict[str, float]  # keyword-boost multiplier per anchor kind for this request's text
 
 
 class Snapshotter:
+    """Triggers + anchor search over one library version.
+
+    keyword_boost: extra rules (e.g. from ``--keyword-boost``) added to the library's own.
+    steer: kNN-LM settings. context_weight / context_decay: weight and decay of context anchors in
+    ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
+    typical cluster member gets confidence 0.5).
+    Raises ValueError for incomplete calibration or bad rules.
+    """
+
     def __init__(self, library: AnchorLibrary, class_table: torch.Tensor, cfg: TriggerConfig | None = None,
-                 top_k: int = 3, search_dtype: torch.dtype = torch.bfloat16):
+                 top_k: int = 3, search_dtype: torch.dtype = torch.bfloat16,
+                 keyword_boost: list[KeywordRule] | None = None, steer: SteerConfig | None = None,
+                 context_weight: float = 1.0, context_decay: float | None = None):
         self.lib = library
         self.cfg = cfg or TriggerConfig()
         self.cal = Calibration.from_dict(library.calibration)
@@ -69,6 +124,16 @@ class Snapshotter:
         self.top_k = top_k
         self.weights = library.weights.float()
         self.decay = library.decay.float()
+        self.rules = library_rules(library) + list(keyword_boost or [])
+        self.steer = steer or SteerConfig()
+        self.context_weight = float(context_weight)
+        self.context_decay = float(context_decay) if context_decay is not None else \
+            (float(self.decay.median()) if len(self.decay) else 10.0)
+        self.version = library_version(library)
+
+    def bind(self, text: str | None = None) -> Binding:
+        """Binding for a new request whose prompt text is ``text`` (for keyword boost)."""
+        return Binding(self, kind_multipliers(self.rules, text or ""))
 
     @property
     def layer(self) -> int:
@@ -89,6 +154,7 @@ class Snapshotter:
         state.count[slots] = cnt
         d3 = hist.sum(1) / cnt.float()  # zeros before the first value do not count
         full = cnt >= w  # the statistic is defined over `w` generated tokens: none before that
+        state.ent_prev[slots] = state.ent[slots]
         ent_state = entity.entity_flags(self.class_table[tokens], state.ent[slots])
         state.ent[slots] = ent_state
         in_entity = (ent_state & entity.IN_ENTITY) != 0
@@ -100,10 +166,75 @@ class Snapshotter:
         ], dim=1)  # (B, 3)
         return fired & self.enabled
 
-    def lookup(self, hidden: torch.Tensor) -> tuple[list[list[float]], list[list[int]], list[float], float]:
-        """Top-k anchors for each row of hidden (n, H). Returns (scores, ids, confidences, ms)."""
+    def retoken(self, tokens: torch.Tensor, slots: torch.Tensor, state: SnapshotState) -> None:
+        """Re-derive the entity state of ``slots`` after steering replaced their last token
+        (tokens (n,) int64, slots (n,) int64, on the state's device)."""
+        state.ent[slots] = entity.entity_flags(self.class_table[tokens], state.ent_prev[slots])
+
+    def lookup(self, hidden: torch.Tensor, boosts: list[dict[str, float]] | None = None,
+               context: ContextAnchors | None = None, context_ids: list[str | None] | None = None,
+               triggers: list[list[str]] | None = None) -> list[SnapshotHit]:
+        """Top-k anchors for each row of hidden (n, H) in one batched library search.
+
+        boosts: per row, keyword-boost multiplier per kind. context / context_ids: per row, the
+        request id whose prompt anchors are searched too (None: library only); the k best of both
+        sets are kept. triggers: per row, the trigger names for the hit. Returns n hits.
+        """
         t0 = time.perf_counter()
+        n = hidden.shape[0]
         scores, ids = self.index.search(hidden, k=self.top_k)  # (n, k) f32, (n, k) i64
-        conf = anchor_confidence(scores, self.weights[ids], self.decay[ids])  # (n,)
-        s, i, c = scores.tolist(), ids.tolist(), conf.tolist()
-        return s, i, c, (time.perf_counter() - t0) * 1e3
+        conf = anchor_confidence_each(scores, self.weights[ids], self.decay[ids])  # (n, k)
+        s_l, i_l, c_l = scores.tolist(), ids.tolist(), conf.tolist()
+        hits = []
+        for r in range(n):
+            ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], self.lib.kind_name(i_l[r][j]), -1)
+                   for j in range(len(i_l[r]))]
+            rid = context_ids[r] if context_ids else None
+            if rid is not None and context is not None and context.has(rid):
+                cs, cp, cn = context.search(rid, hidden[r], self.top_k)
+                cc = anchor_confidence_each(cs[None], torch.full((1, len(cs)), self.context_weight),
+                                            torch.full((1, len(cs)), self.context_decay))[0]
+                ent += [(float(a), int(p), True, float(c), "context", int(t))
+                        for a, p, c, t in zip(cs.tolist(), cp.tolist(), cc.tolist(), cn.tolist())]
+                best_lib = ent[0]
+                ent.sort(key=lambda e: -e[0])
+                ent = ent[:self.top_k]
+                if all(e[2] for e in ent):  # keep the best library anchor: events always name one
+                    ent = ent[:-1] + [best_lib]
+            mult = boosts[r] if boosts else {}
+            hits.append(SnapshotHit(
+                triggers=triggers[r] if triggers else [], anchor_ids=[e[1] for e in ent],
+                scores=[e[0] for e in ent],
+                confidence=boosted_confidence([e[3] for e in ent], [e[4] for e in ent], mult),
+                lookup_ms=0.0, context=[e[2] for e in ent], kinds=[e[4] for e in ent],
+                next_ids=[e[5] for e in ent], library_version=self.version))
+        ms = (time.perf_counter() - t0) * 1e3
+        for h in hits:
+            h.lookup_ms = ms
+        return hits
+
+    def next_lists(self, hits: list[SnapshotHit]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The retrieved anchors' next-token lists, for steering.
+
+        Returns scores (n, k) float32 (-inf pads rows with fewer hits), next_ids (n, k, K) int64
+        (-1 pad), next_probs (n, k, K) float32; a context anchor's list is its one-hot next token.
+        """
+        n, k, K = len(hits), max(len(h.anchor_ids) for h in hits), self.lib.top_k_next
+        sc = torch.full((n, k), float("-inf"))
+        nid = torch.full((n, k, K), -1, dtype=torch.int64)
+        npr = torch.zeros(n, k, K)
+        for r, h in enumerate(hits):
+            for j, (a, s, ctx) in enumerate(zip(h.anchor_ids, h.scores, h.context or [False] * len(h.anchor_ids))):
+                sc[r, j] = s
+                if ctx:
+                    nid[r, j, 0], npr[r, j, 0] = h.next_ids[j], 1.0
+                else:
+                    nid[r, j] = self.lib.next_ids[a].long()
+                    npr[r, j] = self.lib.next_probs[a].float()
+        return sc, nid, npr
+
+
+def anchor_confidence_each(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Per-anchor confidence (B, k): min(1, w * exp(-decay * max(0, 1 - s))), the terms whose max
+    is ``sfcl.snapshot.triggers.anchor_confidence``."""
+    return (weights * torch.exp(-decay * (1.0 - scores).clamp_min(0.0))).clamp(0.0, 1.0)
