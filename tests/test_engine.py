@@ -36,9 +36,7 @@ def nda_prompt(lm):
 
 
 def test_greedy_text_identical_across_snapshot_modes(lm, nda_library, nda_prompt):
-    # prefix cache off: a warm run computes only the prompt's tail, and bf16 GEMMs of another
-    # shape may round differently (exactness of the cache is tested in fp32 below)
-    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4, prefix_cache_tokens=0))
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4))  # later modes hit the prefix cache
     res = {}
     for mode in ("off", "triggered", "always"):
         [ev] = run_to_completion(eng, [(nda_prompt, SamplingParams(max_tokens=96, snapshot_mode=mode))])
@@ -80,7 +78,7 @@ def test_concurrent_requests_batch_and_finish_independently(lm, nda_library):
 
 
 def test_stop_sequence_and_max_tokens(lm, nda_library):
-    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, prefix_cache_tokens=0))
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
     ids = chat_ids(lm, "Count from 1 to 20, separated by commas.")
     [free] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=40, snapshot_mode="off"))])
     text, _, _ = summarise(free)
@@ -94,7 +92,7 @@ def test_stop_sequence_and_max_tokens(lm, nda_library):
 
 
 def test_seeded_sampling_is_reproducible(lm, nda_library):
-    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, prefix_cache_tokens=0))
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
     ids = chat_ids(lm, "Write a sentence about a lease.")
     p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=123, snapshot_mode="off")
     a = summarise(run_to_completion(eng, [(ids, p)])[0])[0]
@@ -199,3 +197,13 @@ def test_int8_kv_cache_follows_bf16_logits(lm, nda_prompt):
     eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2, kv_cache_dtype="int8"))
     fin, text = greedy(eng, nda_prompt, n=12)
     assert text and fin.completion_tokens >= 1
+
+
+def test_a_repeated_request_reproduces_the_cold_answer_in_bf16(lm):
+    eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2))
+    ids = chat_ids(lm, "Explain in two sentences what a confidentiality clause is for.")
+    _, cold = greedy(eng, ids, n=32)
+    hits = eng.scheduler.prefix.hits
+    _, warm = greedy(eng, ids, n=32)
+    assert eng.scheduler.prefix.hits - hits == (len(ids) - 1) // 16 * 16 > 0
+    assert warm == cold

@@ -208,3 +208,18 @@ def test_tag_validation():
     with pytest.raises(ValueError, match="tag"):
         SamplingParams(tag="bad tag with spaces")
     assert SamplingParams(tag="high-risk").tag == "high-risk"
+
+
+def test_with_prefix_caching_the_prompt_tail_is_its_own_chunk_in_the_same_step():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, prefix_cache_blocks=8, max_num_batched_tokens=64))
+    a = Sequence("a", list(range(100, 111)), SamplingParams(max_tokens=2))  # 11 tokens: 2 cacheable blocks
+    s.add(a)
+    out = run_step(s)
+    assert [(c.start, c.end, c.is_last) for c in out.prefill] == [(0, 8, False), (8, 11, True)]
+    b = Sequence("b", list(range(100, 111)), SamplingParams(max_tokens=2))
+    s.add(b)
+    out = run_step(s)
+    assert [(c.start, c.end) for c in out.prefill] == [(8, 11)]  # the same tail chunk as the cold run
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, prefix_cache_blocks=0, max_num_batched_tokens=64))
+    s2.add(Sequence("c", list(range(100, 111)), SamplingParams(max_tokens=2)))
+    assert [(c.start, c.end) for c in run_step(s2).prefill] == [(0, 11)]  # no cache: one chunk

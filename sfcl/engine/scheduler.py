@@ -234,19 +234,28 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         saves: list[BlockCopy] = []
         for seq in prefilling:
-            if budget <= 0:
-                break
-            start, n_prompt = seq.num_computed, len(seq.prompt_ids)
-            end = min(n_prompt, start + budget)
-            if end < n_prompt:
-                end = start + (end - start) // bs * bs  # block-aligned unless it completes the prompt
-                if end <= start:
-                    break
-            chunks.append(PrefillChunk(seq, start, end))
-            budget -= end - start
-            seq.num_computed = end
+            n_prompt = len(seq.prompt_ids)
+            # With prefix caching the prompt's tail (after its last full cacheable block) is always
+            # its own chunk: a later request restoring the blocks computes that tail in the same
+            # GEMM shapes, so a repeated request reproduces the cold one bit for bit (bf16 GEMMs of
+            # other shapes may round differently).
+            boundary = len(seq.block_hashes) * bs if self.prefix.enabled else 0
+            while budget > 0 and seq.num_computed < n_prompt:
+                start = seq.num_computed
+                end = min(n_prompt, start + budget)
+                if start < boundary:
+                    end = min(end, boundary)
+                if end < n_prompt:
+                    end = start + (end - start) // bs * bs  # block-aligned unless it completes the prompt
+                    if end <= start:
+                        break
+                chunks.append(PrefillChunk(seq, start, end))
+                budget -= end - start
+                seq.num_computed = end
             if self.prefix.enabled:
                 saves.extend(self._plan_saves(seq))
+            if budget <= 0:
+                break
         removed, self._removed = self._removed, []
         return SchedulerOutput(moves=moves, prefill=chunks, decode=decode, finished=removed, restores=restores,
                                saves=saves, prefix_queries=queries, prefix_hits=hits)

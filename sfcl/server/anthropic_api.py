@@ -64,6 +64,8 @@ class MessagesRequest(BaseModel):
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
     steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
                         "header x-sfcl-steer: on|off wins")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
+                             "limit (benchmarks; as in vLLM)")
 
 
 def _text(content: Union[str, list[TextBlock], None]) -> str:
@@ -235,7 +237,7 @@ async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Respo
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, tag=rlog.tag,
-        steer=resolve_steer(request, req.steer, mode))
+        steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
     prompt_ids = await encode_prompt(engine, messages, system)
     check_context(engine, len(prompt_ids), req.max_tokens)
     rlog.prompt_tokens = len(prompt_ids)

@@ -72,6 +72,8 @@ class ChatCompletionRequest(BaseModel):
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
     steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
                         "header x-sfcl-steer: on|off wins")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
+                             "limit (benchmarks; as in vLLM)")
 
 
 def to_engine_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -225,7 +227,7 @@ async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
         else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=stop, seed=req.seed, snapshot_mode=mode, tag=rlog.tag,
-        steer=resolve_steer(request, req.steer, mode))
+        steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {"x-request-id": rid}
