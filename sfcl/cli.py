@@ -248,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="random seed of the client mix")
     k.set_defaults(fn=cmd_soak)
 
+    from sfcl.eval import run as _ev, stress as _st; _ev.add_parser(sub); _st.add_parser(sub)  # noqa: E702
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
     b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     _add_model_flags(b)
     b.set_defaults(fn=cmd_anchors_build)
+    from sfcl.eval.calibrate import add_parser as _cal; _cal(asub)  # noqa: E702
     return ap
 
 
