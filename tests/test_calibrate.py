@@ -17,7 +17,7 @@ CAL = Calibration(surprisal_mean=2.0, surprisal_std=1.5, dispersion_mean=0.5, di
 
 def synthetic(n: int = 20000, seed: int = 0, entity_share: float = 0.3) -> TokenSignals:
     rng = np.random.default_rng(seed)
-    s = rng.gamma(1.2, 0.6, n)  # greedy answers: mostly low surprisal
+    s = np.where(rng.random(n) < 0.85, rng.gamma(1.2, 0.6, n), rng.gamma(2.0, 2.5, n))  # mostly confident
     d3 = rng.normal(0.5, 0.08, n)
     d3[rng.random(n) < 0.05] = np.nan  # first tokens of sequences: undefined
     return TokenSignals(s, d3, rng.random(n) < entity_share)
@@ -43,6 +43,16 @@ def test_calibrated_union_share_hits_the_target(target):
     # equal split: each trigger alone fires on about the same share q
     shares = [res.per_trigger[n] for n in TRIGGER_NAMES]
     assert max(shares) - min(shares) < 0.004 and res.q >= target / 3 - 1e-3
+
+
+def test_surprisal_trigger_stays_one_sided():
+    sig = synthetic()
+    sig.surprisal[:2000] = 0.0  # near-certain tokens: z = -mean/std = -1.33
+    for target in (1 / 16, 0.3):
+        res = calibrate_thresholds(sig, CAL, target)
+        m = fire_masks(sig, CAL, res.thresholds)
+        assert not m[:2000, 2].any()
+        assert res.thresholds["surprisal_z"] >= CAL.surprisal_mean / CAL.surprisal_std
 
 
 def test_lower_target_gives_stricter_thresholds():

@@ -74,3 +74,10 @@ def test_numbers_as_words_and_digits_are_supported_both_ways():
     assert entity_errors("60 days", src).unsupported == []
     assert entity_errors("three copies and 3 copies", src).n_unsupported == 0
     assert entity_errors("90 days", src).n_unsupported == 1
+
+
+def test_ordinals_are_numbers():
+    src = Source.of("See the 14 clauses below.")
+    rep = entity_errors("the 14th section of the 16th Article", src)
+    assert [(e.kind, e.norm) for e in rep.entities] == [("number", "14"), ("number", "16")]
+    assert [e.text for e in rep.unsupported] == ["16th"]

@@ -20,7 +20,10 @@ bisection so that the union (a token that fires several triggers is looked up on
 (``calibrate_thresholds``). The corpus mean/std in the manifest stay as they are; only the
 thresholds change (``dispersion_z``, ``surprisal_z`` in those z units, ``entity_prob_threshold``
 as a probability). The entity trigger can never fire on more than the share of tokens inside
-entity spans; a larger q leaves it at threshold 1.0 and the other triggers take up the rest.
+entity spans; a larger q leaves it at threshold 1.0 and the other triggers take up the rest. The
+surprisal trigger reads |z|; its threshold is kept >= mean/std so that only *surprising* tokens
+fire it (below that, the near-certain tokens that make up most of a greedy answer would fire, since
+their z is about -mean/std).
 
 The new thresholds are written into a *copy* of LIB (``--out``): ``manifest.json`` gains
 ``calibration.thresholds`` (read by ``sfcl.snapshot.triggers.TriggerConfig.from_calibration`` when
@@ -126,7 +129,10 @@ def thresholds_for_share(sig: TokenSignals, cal: Calibration, q: float) -> dict:
     dz = dz[np.isfinite(dz)]
     disp = _upper_cut(dz, k) if dz.size else 1e9
     sz = np.abs(sig.surprisal - cal.surprisal_mean) / cal.surprisal_std
-    sur = _upper_cut(sz, k)
+    # One-sided: the trigger reads |z|, and below |z| = mean/std the lower tail (p close to 1, the
+    # bulk of a greedy answer) would fire; keeping the threshold at or above mean/std means only
+    # surprising tokens can fire (surprisal is >= 0, so z >= -mean/std).
+    sur = max(_upper_cut(sz, k), cal.surprisal_mean / cal.surprisal_std * (1 + 1e-9))
     return {"entity_prob_threshold": float(min(1.0, max(_EPS, ent))),
             "dispersion_z": float(max(_EPS, disp)), "surprisal_z": float(max(_EPS, sur))}
 

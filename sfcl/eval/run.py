@@ -5,7 +5,9 @@ Pipeline (CPU or GPU, whatever the engine runs on):
 2. one prompt per question, document first (consecutive questions share the prefix); documents
    longer than ``--max-doc-tokens`` are cut around the gold spans of their questions;
 3. every configuration (``off``, ``off+steer``, ``triggered``, ``triggered+steer``, ``always``,
-   ``always+steer``) answers every item greedily through the real engine (``sfcl.eval.drive``);
+   ``always+steer``) answers every item greedily through the real engine (``sfcl.eval.drive``),
+   document by document with the configuration order rotated per document (``--order doc``), so
+   that load changes on a shared machine do not favour one configuration;
 4. scoring (``sfcl.eval.scorer``) and paired percentile-bootstrap 95% CIs over items
    (``sfcl.eval.stats``); outputs ``eval.md`` (table), ``eval.json`` (metrics + every answer) and
    ``eval.png`` (bars with CIs) in ``--out``.
@@ -22,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from sfcl.eval import stats
 from sfcl.eval.drive import SYSTEM_QA, Item, Record, add_engine_flags, build, qa_prompt, run_items, token_budget_chars
@@ -127,6 +129,44 @@ def metrics(cols: dict[str, dict[str, np.ndarray]], names: list[str], texts: dic
     return out
 
 
+def run_configs(eng, items: list[Item], configs: list[tuple[str, str, bool]], order: str = "doc",
+                max_in_flight: int = 32) -> tuple[dict[str, list[Record]], dict[str, float]]:
+    """Answer every item under every configuration; returns (records per config in item order,
+    wall seconds per config).
+
+    order "doc": document by document, all configurations on that document's items in turn, the
+    configuration order rotated by one per document, so that load changes on the machine spread
+    evenly over the configurations (and a prefix cache serves the document to all of them).
+    order "config": each configuration on all items as one batch (bigger batches, but the
+    configurations run at different times)."""
+    recs: dict[str, list[Record]] = {n: [] for n, _, _ in configs}
+    walls = {n: 0.0 for n, _, _ in configs}
+    if order == "config":
+        for name, mode, steer in configs:
+            recs[name], walls[name] = run_items(eng, items, snapshot_mode=mode, steer=steer, desc=f"eval {name}",
+                                                max_in_flight=max_in_flight)
+        return recs, walls
+    groups: list[list[Item]] = []
+    for it in items:
+        if groups and groups[-1][0].meta["question"].doc_id == it.meta["question"].doc_id:
+            groups[-1].append(it)
+        else:
+            groups.append([it])
+    bar = tqdm(total=len(items) * len(configs), desc="eval", unit="req")
+    try:
+        for gi, grp in enumerate(groups):
+            k = gi % len(configs)
+            for name, mode, steer in configs[k:] + configs[:k]:
+                r, w = run_items(eng, grp, snapshot_mode=mode, steer=steer, max_in_flight=max_in_flight, progress=False)
+                recs[name].extend(r)
+                walls[name] += w
+                bar.update(len(grp))
+                bar.set_postfix_str(f"doc {gi + 1}/{len(groups)} {name}")
+    finally:
+        bar.close()
+    return recs, walls
+
+
 def _fmt(e: dict, pct: bool = False, digits: int = 2) -> str:
     v, lo, hi = e["value"], e["ci_lo"], e["ci_hi"]
     if v is None or not np.isfinite(v):
@@ -202,10 +242,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(f"sfcl eval: {len(items)} items from {len(docs)} documents, configurations: "
               f"{', '.join(n for n, _, _ in configs)}", file=sys.stderr)
         run_items(eng, items[:1], snapshot_mode="off", steer=False, progress=False)  # warm-up, discarded
-        recs, walls = {}, {}
-        for name, mode, steer in configs:
-            recs[name], walls[name] = run_items(eng, items, snapshot_mode=mode, steer=steer, desc=f"eval {name}",
-                                                max_in_flight=a.max_num_seqs * 2)
+        recs, walls = run_configs(eng, items, configs, a.order, a.max_num_seqs * 2)
     finally:
         eng.shutdown()
     errors = [(n, r.key, r.error) for n, rs in recs.items() for r in rs if r.error]
@@ -256,6 +293,9 @@ def add_parser(sub) -> None:
                    help="document tokens at most per prompt; longer documents are cut around the gold spans")
     p.add_argument("--configs", default=",".join(ALL_CONFIGS),
                    help=f"comma-separated configurations out of {', '.join(ALL_CONFIGS)}")
+    p.add_argument("--order", default="doc", choices=["doc", "config"],
+                   help="doc: all configurations document by document (rotated order; spreads machine load "
+                        "evenly); config: one configuration after another over all items (bigger batches)")
     p.add_argument("--seed", type=int, default=0, help="question selection and bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for the 95%% CIs")
     p.add_argument("--out", default="eval-out", help="output directory (eval.md, eval.json, eval.png)")

@@ -9,7 +9,8 @@ Normalisation (:func:`normalize`), applied to answers, gold spans and source doc
 (SQuAD-style answer normalisation, Rajpurkar et al. 2016, extended for contracts):
 
 1. Unicode quotes/dashes folded to ASCII, casefold;
-2. number words to digits ("thirty-five" -> "35", "one hundred" -> "100");
+2. number words to digits ("thirty-five" -> "35", "one hundred" -> "100"), ordinal suffixes
+   dropped ("14th" -> "14");
 3. "N (N)" duplicates collapsed ("five (5) years" -> "5 (5) years" -> "5 years");
 4. thousands separators dropped ("10,000" -> "10000"); currency signs and words to codes
    ("$" / "dollars" -> "usd");
@@ -82,6 +83,7 @@ def normalize(text: str) -> str:
     """Normalised, space-separated tokens of ``text`` (see the module docstring for the steps)."""
     t = unicodedata.normalize("NFKC", text).translate(_FOLD).casefold()
     t = number_words_to_digits(t)
+    t = re.sub(r"\b(\d+)(?:st|nd|rd|th)\b", r"\1", t)  # ordinals: "14th" -> "14"
     t = re.sub(r"(\d+(?:\.\d+)?)\s*\(\s*\1\s*\)", r"\1", t)  # "5 (5)" -> "5"
     t = re.sub(r"(?<=\d),(?=\d{3}\b)", "", t)  # 10,000 -> 10000
     for rx, code in _CURRENCY:
@@ -132,7 +134,7 @@ _ENTITY_RES = (
     ("clause_ref", re.compile(r"\b(?:Sections?|Clauses?|Articles?|Paragraphs?|Schedules?|Exhibits?|Annex(?:es)?|§)\s*"
                               r"(\d+(?:\.\d+)*(?:\s?\([a-z0-9]+\))*|[A-Z]\b)", re.I)),
     ("organisation", re.compile(rf"\b((?:[A-Z][\w&'’.-]*[ \t]+){{0,4}}[A-Z][\w&'’.-]*,?[ \t]+(?:{_ORG_SUFFIX}))(?![\w])")),
-    ("number", re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?![\w])")),
+    ("number", re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?:st|nd|rd|th)?(?![\w])")),
 )
 
 
