@@ -132,3 +132,25 @@ def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_p
         res.thresholds["entity_prob_threshold"], res.thresholds["dispersion_z"], res.thresholds["surprisal_z"])
     plain = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=1, max_model_len=64))
     assert plain.runner.snapshotter.cfg == TriggerConfig()
+
+
+def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
+    from sfcl.anchors.store import load_library
+    from sfcl.cli import main
+    from tests.conftest import contractnli_docs, CONTRACTNLI
+
+    contractnli_docs(1)  # skips without the data
+    out = tmp_path / "cal"
+    rc = main(["anchors", "calibrate", str(nda_library.path), str(CONTRACTNLI), "--out", str(out),
+               "--docs", "1", "--questions-per-doc", "2", "--max-doc-tokens", "300", "--max-tokens", "16",
+               "--sweep", "0.0625", "--sweep-items", "2", "--cache-dir", str(cache_dir), "--threads", "2"])
+    assert rc == 0
+    lib = load_library(out)
+    thr = lib.calibration["thresholds"]
+    rep = json.loads((out / "calibration.json").read_text())
+    assert rep["thresholds"] == thr and rep["n_tokens"] > 10
+    assert abs(rep["achieved_rate"] - 0.0625) <= 0.5 / rep["n_tokens"] + 0.06  # few tokens: coarse steps
+    assert len(rep["sweep"]) == 1 and rep["sweep"][0]["lookups_per_1k_tokens"] >= 0
+    assert (out / "calibration.png").is_file()
+    assert main(["anchors", "calibrate", str(nda_library.path), "x.json", "--out", str(out)]) == 2  # exists
+    assert "already exists" in capsys.readouterr().err

@@ -81,7 +81,9 @@ def test_run_configs_interleaves_documents_and_keeps_item_order():
     assert all([r.key for r in recs[n]] == [it.key for it in items] for n in recs)
     assert [r.lookups for r in recs["off"]] == [0] * 6 and [r.lookups for r in recs["triggered"]] == [2] * 6
     assert all(r.lookups == r.completion_tokens == 8 for r in recs["always"])
-    modes = [r.params.snapshot_mode for r in eng.requests]
+    warm = [r for r in eng.requests if r.params.max_tokens == 2]
+    assert len(warm) == 6 and {r.params.snapshot_mode for r in warm} == {"off"}  # one warm-up pass per document
+    modes = [r.params.snapshot_mode for r in eng.requests if r.params.max_tokens != 2]
     # document 0: off, triggered, always; document 1 starts with triggered; document 2 with always
     assert modes[0::2] == ["off", "triggered", "always", "triggered", "always", "off", "always", "off", "triggered"]
     assert set(walls) == {"off", "triggered", "always"} and all(w > 0 for w in walls.values())

@@ -52,6 +52,8 @@ def test_extract_entities_kinds_and_priority():
                    ("duration", "thirty (30) days"), ("date", "January 1, 2020"), ("number", "12")]
     assert extract_entities("1. First point\n2. Second point") == []  # list markers are not entities
     assert [e.kind for e in extract_entities("The Company may disclose.")] == []  # no bare "Company"
+    assert extract_entities("the other is the Discloser. The Company is bound.") == []  # not across sentences
+    assert [e.text for e in extract_entities("Signed by Smith. Acme Widgets Inc. agrees.")] == ["Acme Widgets Inc."]
 
 
 def test_supported_and_unsupported_entities():

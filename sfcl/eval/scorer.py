@@ -167,6 +167,8 @@ def extract_entities(text: str) -> list[Entity]:
             if kind == "number" and re.match(r"[ \t]*[.)]", text[b:b + 2]) and (a == 0 or text[a - 1] == "\n"):
                 continue
             if kind == "organisation":
+                cut = [m_.end() for m_ in re.finditer(r"[a-z]{2,}\.\s+(?=[A-Z])", text[a:b])]  # a sentence ended
+                a += cut[-1] if cut else 0
                 words = text[a:b].split()
                 if words[0] in ("The", "This", "A", "An", "Each", "Such", "Any"):
                     a += len(words[0]) + 1
