@@ -284,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sfcl.ingest.cli import add_parser as add_ingest_parser; add_ingest_parser(sub)  # noqa: E702
     from sfcl.bench.run import add_parser as add_bench; add_bench(sub)  # sfcl bench
 
+    from sfcl.eval import run as _ev, stress as _st; _ev.add_parser(sub); _st.add_parser(sub)  # noqa: E702
     an = sub.add_parser("anchors", help="anchor library tools")
     asub = an.add_subparsers(dest="anchors_cmd", required=True)
     b = asub.add_parser("build", help="Static Anchor Generator: corpus -> anchor library", **fmt)
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(b)
     b.set_defaults(fn=cmd_anchors_build)
     from sfcl.anchors.lifecycle_cli import add_parsers as _add_lifecycle; _add_lifecycle(asub)  # noqa: E702
+    from sfcl.eval.calibrate import add_parser as _cal; _cal(asub)  # noqa: E702
     return ap
 
 

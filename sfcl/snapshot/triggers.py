@@ -49,6 +49,16 @@ class TriggerConfig:
         if bad:
             raise ValueError(f"unknown trigger(s) {sorted(bad)}; known: {', '.join(TRIGGER_NAMES)}")
 
+    @classmethod
+    def from_calibration(cls, calibration: dict) -> "TriggerConfig":
+        """Defaults overridden by ``calibration["thresholds"]`` of a library manifest (written by
+        ``sfcl anchors calibrate``); raises ValueError on unknown keys or out-of-range values."""
+        thr = dict((calibration or {}).get("thresholds") or {})
+        bad = set(thr) - {"entity_prob_threshold", "dispersion_z", "surprisal_z"}
+        if bad:
+            raise ValueError(f"anchor library thresholds: unknown key(s) {sorted(bad)}")
+        return cls(**{k: float(v) for k, v in thr.items()})
+
 
 @dataclass(slots=True)
 class Calibration:

@@ -1,0 +1,145 @@
+"""Driving the engine offline for the evaluation tools: prompts, batched runs, per-request records.
+
+Callers: ``sfcl eval``, ``sfcl anchors calibrate``, ``sfcl stress`` (in-process mode). The engine is
+the real serving stack (``sfcl.serving.build_engine``: model + anchor library + snapshotter +
+scheduler + engine thread); requests go through ``AsyncEngine.stream`` exactly as HTTP requests do,
+so batching, the prefix cache (when present) and the snapshot path are those of the server.
+
+Prompts put the document first and the question last, so consecutive questions about one document
+share their prompt prefix (a prefix KV cache reuses it). Documents longer than the token budget
+are cut around the gold spans of their questions (``sfcl.eval.questions.fit_document``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, TextDelta
+from sfcl.engine.request import SamplingParams
+
+SYSTEM_QA = ("You answer questions about the contract given by the user, using only its text. Quote names, "
+             "numbers, durations, amounts and clause numbers exactly as the contract states them. "
+             "Answer in one short sentence.")
+
+
+@dataclass(slots=True)
+class Item:
+    """One request of an evaluation run (torch-free)."""
+
+    key: str  # unique id, e.g. the question id
+    prompt_ids: list[int]
+    max_tokens: int
+    meta: dict = field(default_factory=dict)  # anything the caller wants back (question, doc id, ...)
+
+
+@dataclass(slots=True)
+class Record:
+    """What one request produced."""
+
+    key: str
+    request_id: str = ""  # engine request id (for signal recorders)
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    lookups: int = 0  # snapshot events (anchor lookups) of this request
+    triggers: dict = field(default_factory=dict)  # trigger name -> count
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    stop_reason: str = ""
+    error: str | None = None
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds spent after the first token (0 when fewer than 2 tokens)."""
+        return max(0.0, (self.e2e_ms - self.ttft_ms) / 1e3) if self.completion_tokens > 1 else 0.0
+
+
+def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> None:
+    """Model (+ library) + batch flags shared by the evaluation commands."""
+    from sfcl.cli import _add_model_flags
+
+    _add_model_flags(p)
+    if with_anchors:
+        p.add_argument("--anchors", default=None,
+                       help="anchor library directory (default: the one built from the bundled sample corpus)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
+
+
+def build(a: argparse.Namespace, progress: bool = True):
+    """``sfcl.serving.Built`` for the parsed flags of :func:`add_engine_flags`."""
+    from pathlib import Path
+
+    from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
+    from sfcl.serving import build_engine
+
+    mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
+    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024)
+    sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
+    return build_engine(mc, ec, sc, progress=progress)
+
+
+def token_budget_chars(tokenizer, text: str, budget: int) -> int:
+    """Largest char length (approximately) of a prefix of ``text`` that tokenizes to <= budget
+    tokens; used to size document excerpts. Raises ValueError when budget < 1."""
+    if budget < 1:
+        raise ValueError("token budget must be >= 1")
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    chars = len(text)
+    while n > budget and chars > 1:
+        chars = max(1, int(chars * budget / n * 0.97))
+        n = len(tokenizer(text[:chars], add_special_tokens=False)["input_ids"])
+    return chars
+
+
+def qa_prompt(document: str, question: str) -> str:
+    return f"Contract:\n{document}\n\nQuestion: {question}"
+
+
+async def _run_one(engine, item: Item, params: SamplingParams, sem: asyncio.Semaphore) -> Record:
+    rec = Record(key=item.key, request_id=f"{uuid.uuid4().hex[:8]}-{item.key}")
+    parts: list[str] = []
+    async with sem:
+        async for ev in engine.stream(item.prompt_ids, params, request_id=rec.request_id):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            elif isinstance(ev, SnapshotEvent):
+                rec.lookups += 1
+                for t in ev.triggers:
+                    rec.triggers[t] = rec.triggers.get(t, 0) + 1
+            elif isinstance(ev, Finished):
+                rec.prompt_tokens, rec.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+                rec.ttft_ms, rec.e2e_ms, rec.stop_reason = ev.ttft_ms, ev.e2e_ms, ev.stop_reason
+            elif isinstance(ev, ErrorEvent):
+                rec.error = ev.message
+    rec.text = "".join(parts)
+    return rec
+
+
+def run_items(engine, items: list[Item], *, snapshot_mode: str, steer: bool, max_in_flight: int = 32,
+              desc: str = "requests", progress: bool = True) -> tuple[list[Record], float]:
+    """Run ``items`` greedily (temperature 0) through an AsyncEngine, at most ``max_in_flight`` at a
+    time, submitted in list order. Returns (records in item order, wall seconds)."""
+    async def main() -> list[Record]:
+        sem = asyncio.Semaphore(max_in_flight)
+        bar = tqdm(total=len(items), desc=desc, unit="req", disable=not progress, leave=False)
+
+        async def one(it: Item) -> Record:
+            p = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, snapshot_mode=snapshot_mode, steer=steer)
+            r = await _run_one(engine, it, p, sem)
+            bar.update(1)
+            return r
+        try:
+            return list(await asyncio.gather(*(one(it) for it in items)))
+        finally:
+            bar.close()
+
+    t0 = time.perf_counter()
+    recs = asyncio.run(main())
+    return recs, time.perf_counter() - t0
