@@ -217,10 +217,12 @@ def test_stream_cut_without_finish_reason_is_an_error(finish):
 
 def test_probe_drops_fields_the_server_rejects(serve):
     url, _ = serve()
-    t = clients.Target("fake", url, model=clients.discover_model(url), extra_body={"ignore_eos": True})
+    t = clients.Target("fake", url, model=clients.discover_model(url), extra_body={"min_tokens": 8})
     assert t.model == "fake-model"
     t = asyncio.run(clients.probe(t))
     assert t.extra_body == {} and t.include_usage  # SFCL forbids unknown fields; usage stays
+    kept = asyncio.run(clients.probe(clients.Target("fake", url, model="fake-model", extra_body={"ignore_eos": True})))
+    assert kept.extra_body == {"ignore_eos": True}  # a field SFCL takes is kept
     with pytest.raises(RuntimeError, match="does not answer"):
         asyncio.run(clients.probe(clients.Target("bad", url, model="nope")))
 
