@@ -39,6 +39,8 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor-optional", action="store_true",
                    help="start with snapshots disabled if the library cannot be loaded (default: exit)")
     p.add_argument("--layer", type=int, default=None, help="snapshot layer of the default library (default: 3/4 depth)")
+    p.add_argument("--steer-lambda-max", type=float, default=0.5,
+                   help="steering requests: kNN-LM interpolation weight at snapshot confidence 1 (0..1)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap in tokens (default: model's)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it 529/429")
@@ -70,7 +72,7 @@ def _configs(a):
                       prefix_cache_tokens=a.prefix_cache_tokens)
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
-                        keyword_boost=getattr(a, "keyword_boost", None),
+                        keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,
                         cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
     return mc, ec, sc
 
@@ -153,16 +155,17 @@ def cmd_generate(a) -> int:
     from sfcl.serving import build_engine
 
     mc, ec, sc = _configs(a)
-    built = build_engine(mc, ec, sc, progress=True)
     content = a.prompt
-    if a.document:
+    if a.document:  # read the document before loading the model: a bad path or id fails fast
         from sfcl.anchors.corpus import CorpusError, read_corpus
 
         docs = read_corpus([a.document])
-        pick = [d for d in docs if a.doc_id is None or d.doc_id == a.doc_id]
+        # ids may be given with or without the file's prefix ("dev:14" or "14")
+        pick = [d for d in docs if a.doc_id is None or a.doc_id in (d.doc_id, d.doc_id.split(":", 1)[-1])]
         if not pick:
             raise CorpusError(f"no document with id {a.doc_id!r} in {a.document} (ids: {', '.join(d.doc_id for d in docs[:8])}...)")
         content = pick[0].text + "\n\n" + a.prompt
+    built = build_engine(mc, ec, sc, progress=True)
     eng = built.engine
     ids = eng.encode_chat([{"role": "user", "content": content}], a.system)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -261,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the question or instruction")
     g.add_argument("--document", default=None,
                    help="a .txt/.md file (or ContractNLI .json / .jsonl, see --doc-id) placed before the prompt")
-    g.add_argument("--doc-id", default=None, help="which document of a multi-document file (default: the first)")
+    g.add_argument("--doc-id", default=None,
+                   help="which document of a multi-document file, e.g. dev:14 or 14 (default: the first)")
     g.add_argument("--system", default=None, help="system prompt")
     g.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -65,6 +65,7 @@ class SnapshotConfig:
     layer: int | None = None  # snapshot layer for the default library (None: 3/4 depth)
     n_anchors: int = 32768
     top_k: int = 3
+    steer_lambda_max: float = 0.5  # kNN-LM interpolation weight at snapshot confidence 1 (steering requests)
     keyword_boost: str | None = None  # JSON file of keyword-boost rules (sfcl.snapshot.boost), added to the library's
     cache_dir: Path = field(default_factory=default_cache_dir)
 

@@ -25,6 +25,7 @@ from sfcl.model.loader import LoadedModel, load_model
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.snapshotter import Snapshotter
+from sfcl.snapshot.steering import SteerConfig
 from sfcl.snapshot.triggers import TriggerConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -110,7 +111,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
             raise AnchorLibraryError(f"library layer {lib.layer} does not exist in {lm.name}")
         snap = Snapshotter(lib, vocab_class_table(lm.tokenizer, lm.args.vocab_size, device), top_k=scfg.top_k,
                            keyword_boost=load_rules(scfg.keyword_boost) if scfg.keyword_boost else None,
-                           cfg=TriggerConfig.from_calibration(lib.calibration))  # thresholds of `anchors calibrate`
+                           cfg=TriggerConfig.from_calibration(lib.calibration),  # thresholds of `anchors calibrate`
+                           steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
     layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
     max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
     dtype = next(lm.model.parameters()).dtype
@@ -139,7 +141,8 @@ def make_reloader(lm: LoadedModel, scfg: SnapshotConfig, device: str = "cpu"):
         try:
             rules = load_rules(scfg.keyword_boost) if scfg.keyword_boost else None
             return lib, Snapshotter(lib, table, top_k=scfg.top_k, keyword_boost=rules,
-                                    cfg=TriggerConfig.from_calibration(lib.calibration))
+                                    cfg=TriggerConfig.from_calibration(lib.calibration),
+                                    steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
         except ValueError as e:
             lib.close()
             raise AnchorLibraryError(f"anchor library {p}: {e}") from e

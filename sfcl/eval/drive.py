@@ -70,6 +70,8 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
                        help="anchor library directory (default: the one built from the bundled sample corpus)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
     p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
+    p.add_argument("--steer-lambda-max", type=float, default=0.5,
+                   help="kNN-LM interpolation weight at snapshot confidence 1 for the +steer configurations")
 
 
 def build(a: argparse.Namespace, progress: bool = True):
@@ -81,7 +83,8 @@ def build(a: argparse.Namespace, progress: bool = True):
 
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
     ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024)
-    sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
+    sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
+                        steer_lambda_max=getattr(a, "steer_lambda_max", 0.5))
     return build_engine(mc, ec, sc, progress=progress)
 
 

@@ -36,7 +36,9 @@ from sfcl.eval.questions import Question, fit_document, generate_questions
 from sfcl.eval.scorer import Source, answer_correct, entity_errors
 
 ALL_CONFIGS = ("off", "off+steer", "triggered", "triggered+steer", "always", "always+steer")
-DEFAULT_DATA = "../shared/data/contractnli/dev.json"
+from sfcl.bench.workloads import CONTRACTNLI_DEV  # ../shared beside the checkout, whatever the cwd
+
+DEFAULT_DATA = str(CONTRACTNLI_DEV)
 
 
 def parse_configs(text: str) -> list[tuple[str, str, bool]]:
