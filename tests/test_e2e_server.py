@@ -170,10 +170,15 @@ def test_short_soak_with_random_disconnects(server):
     # warm-up: lets worker pools (tokenizer offload threads) reach their steady size
     asyncio.run(soak(url, concurrency=8, duration_s=4, disconnect_p=0.4, max_tokens=8, progress=False))
     h0 = httpx.get(url + "/health").json()
-    st = asyncio.run(soak(url, concurrency=16, duration_s=30, disconnect_p=0.7, max_tokens=16, progress=False))
-    assert st.errors == [] and st.lost_or_duplicated == 0, st.table()
-    assert st.completed > 5 and st.disconnected >= 100, st.table()
-    assert st.idle_after_s is not None, st.table()
+    completed = disconnected = 0
+    for _ in range(8):  # rounds of 15 s until >= 100 hang-ups (a loaded machine needs more rounds)
+        st = asyncio.run(soak(url, concurrency=16, duration_s=15, disconnect_p=0.7, max_tokens=16, progress=False))
+        assert st.errors == [] and st.lost_or_duplicated == 0, st.table()
+        assert st.idle_after_s is not None, st.table()
+        completed, disconnected = completed + st.completed, disconnected + st.disconnected
+        if disconnected >= 100:
+            break
+    assert completed > 5 and disconnected >= 100, (completed, disconnected)
     h1 = httpx.get(url + "/health").json()
     assert h1["running"] == 0 and h1["waiting"] == 0
     assert h1["threads"] <= h0["threads"] + 1 and h1["tasks"] <= h0["tasks"] + 1
