@@ -194,6 +194,24 @@ def test_int8_kv_cache_follows_bf16_logits(lm, nda_prompt):
     ref, q = final_logits("auto"), final_logits("int8")
     kl = torch.nn.functional.kl_div(q.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
     assert ref.argmax() == q.argmax() and float(kl) < 0.02
+
+    def decode_logits(kv_dtype, n=8):  # teacher-forced one-token decode steps over the stored KV
+        kv = KVCache(lm.args, 2, 4096, torch.bfloat16, kv_dtype=kv_dtype)
+        T = len(nda_prompt) - n
+        lm.model(torch.tensor([nda_prompt[:T]]), AttnBatch(True, torch.tensor([0]), torch.arange(T), T), kv, 3,
+                 want_probs=False)
+        rows = []
+        for t in range(T, T + n):
+            kv.ensure_initialized(1, t + 1)
+            mask = torch.ones(1, 1, 1, t + 1, dtype=torch.bool)
+            out = lm.model(torch.tensor([[nda_prompt[t]]]), AttnBatch(False, torch.arange(1), torch.tensor([t]), t + 1,
+                                                                     mask, (0, 1)), kv, 3)
+            rows.append(out.logits[0].float())
+        return torch.stack(rows)
+
+    ref_d, q_d = decode_logits("auto"), decode_logits("int8")
+    assert torch.isfinite(q_d).all()
+    assert (ref_d.argmax(-1) == q_d.argmax(-1)).float().mean() >= 0.75
     eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2, kv_cache_dtype="int8"))
     fin, text = greedy(eng, nda_prompt, n=12)
     assert text and fin.completion_tokens >= 1

@@ -103,3 +103,14 @@ def test_rows_are_zeroed_before_decode_reads_past_their_length(kv_dtype):
         assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
         assert (kk[1] == 0).all() and (kk[0, :, 5:] == 0).all()
         assert torch.allclose(kk[0, :, :5], k, atol=k.abs().max().item() / 100)  # written values intact
+
+
+def test_int8_decode_ignores_garbage_in_the_unfilled_part_of_the_residual_block():
+    c = KVCache(ARGS, 1, 32, torch.bfloat16, kv_dtype="int8", block_size=4)
+    k, v = kv_pair(5)
+    k, v = k.bfloat16(), v.bfloat16()
+    c.write_prefill(0, 0, 0, k, v)  # positions 0..4: block 1 holds position 4 in the residual
+    c.k_res[0][0, :, 2:] = float("nan")  # slots of the block not written yet
+    c.write_decode(0, torch.tensor([0]), torch.tensor([5]), k[None, :, 4], v[None, :, 4])
+    kk, vv = c.read(0, slice(0, 1), 6)
+    assert torch.isfinite(kk).all() and torch.isfinite(vv).all()

@@ -63,7 +63,7 @@ class KVCache:
         if self.int8:
             self.k_scale = alloc((R, nkv, max_len // bs, hd), torch.bfloat16)
             self.v_scale = alloc((R, nkv, max_len), torch.bfloat16)
-            self.k_res = alloc((R, nkv, bs, hd), dtype)
+            self.k_res = [torch.zeros((R, nkv, bs, hd), dtype=dtype, device=device) for _ in range(L)]  # small
             self.pool_ks = alloc((pool_blocks, nkv, hd), torch.bfloat16)
             self.pool_vs = alloc((pool_blocks, nkv, bs), torch.bfloat16)
         self.pool_blocks = pool_blocks
@@ -119,7 +119,8 @@ class KVCache:
         res = self.k_res[layer]
         res[slots, :, off] = k
         keep = (torch.arange(bs, device=k.device)[None, :] <= off[:, None])  # (B, bs) positions filled so far
-        block = res[slots] * keep[:, None, :, None].to(res.dtype)  # (B, nkv, bs, hd)
+        # where, not multiply: positions past `off` may hold anything, and 0 * NaN = NaN
+        block = torch.where(keep[:, None, :, None], res[slots], torch.zeros((), dtype=res.dtype, device=res.device))  # (B, nkv, bs, hd)
         q, s = _quant_keys(block[:, :, None])  # (B, nkv, 1, bs, hd), (B, nkv, 1, hd)
         idx = blk[:, None] * bs + torch.arange(bs, device=k.device)[None, :]  # (B, bs)
         self.k[layer][slots[:, None], :, idx] = q[:, :, 0].transpose(1, 2)  # index -> (B, bs, nkv, hd)
