@@ -57,6 +57,17 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port (uvicorn hangs instead of failing on one out of range)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {port}")
+    return port
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in (text or "").split(",") if t.strip())
 
@@ -248,10 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(s)
     _add_snapshot_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address")
-    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require this key (x-api-key or Bearer); or set SFCL_API_KEY")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port without the API key (for a scraper on a private network)")
     s.add_argument("--keyword-boost", default=None, metavar="FILE.json",
                    help="keyword-boost rules added to the library's own: a JSON list of {\"keywords\": [...], "

@@ -360,6 +360,8 @@ def load_library(path, *, expect_fingerprint: str | None = None,
         if not isinstance(m.get(key), typ):
             raise AnchorLibraryError(f"{mf_path}: field {key!r} missing or not {typ.__name__}; "
                                      f"{_REBUILD}")
+    if not isinstance(m.get("calibration") or {}, dict):
+        raise AnchorLibraryError(f"{mf_path}: field 'calibration' is not dict; {_REBUILD}")
     if expect_fingerprint is not None and m["model_fingerprint"] != expect_fingerprint:
         raise AnchorLibraryError(
             f"anchor library {path} was built for model {m['model_name']!r} (fingerprint "

@@ -27,6 +27,34 @@ from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import QueueFullError
 
 log = logging.getLogger("sfcl.engine")
+
+# encode_chat runs in worker threads, several at once. The HF fast tokenizer implements
+# ``split_special_tokens`` by setting one shared attribute of the Rust tokenizer before encoding,
+# so concurrent calls could encode a client's "<|im_end|>" as the control token or split the
+# template's own ones. Tokenizing is serialised.
+_TOKENIZE_LOCK = threading.Lock()
+
+
+def _encode_chat_locked(tok, msgs: list[dict], contents: list[str], nonce: str) -> list[int]:
+    """The tokenizing half of ``AsyncEngine.encode_chat``; call it holding ``_TOKENIZE_LOCK``."""
+    rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+    if len(parts) != 2 * len(msgs) + 1:  # the template dropped or duplicated a message
+        log.warning("chat template did not render each message once; tokenizing without the guard")
+        for m, c in zip(msgs, contents):
+            m["content"] = c
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    ids: list[int] = []
+    for j, piece in enumerate(parts):
+        if j % 2 == 0:
+            if piece:
+                ids += tok(piece, add_special_tokens=False)["input_ids"]
+        elif contents[int(piece)]:
+            ids += tok(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
 Sink = Callable[[EngineEvent], None]
 
 
@@ -238,23 +266,8 @@ class AsyncEngine:
         for i, m in enumerate(msgs):
             contents.append(str(m.get("content", "")))
             m["content"] = f"\ue000{nonce}:{i}\ue001"
-        tok = self.tokenizer
-        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
-        if len(parts) != 2 * len(msgs) + 1:  # the template dropped or duplicated a message
-            log.warning("chat template did not render each message once; tokenizing without the guard")
-            for m, c in zip(msgs, contents):
-                m["content"] = c
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
-        ids: list[int] = []
-        for j, piece in enumerate(parts):
-            if j % 2 == 0:
-                if piece:
-                    ids += tok(piece, add_special_tokens=False)["input_ids"]
-            elif contents[int(piece)]:
-                ids += tok(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return ids
+        with _TOKENIZE_LOCK:
+            return _encode_chat_locked(self.tokenizer, msgs, contents, nonce)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[EngineEvent]:

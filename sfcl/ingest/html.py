@@ -46,20 +46,34 @@ def _is_chrome(tag: Tag) -> bool:
     return any(_CHROME_NAME.match(n) for n in names if n)
 
 
+def _outermost(root: Tag, pred) -> list[Tag]:
+    """Tags under ``root`` matching ``pred``, in document order, without those inside a match.
+
+    Iterative (a deeply nested page must not exhaust the stack) and never asks a tag for
+    ``decomposed``: bs4 answers unknown attributes through ``Tag.__getattr__`` -> ``find()``, a
+    search of the whole subtree per tag, quadratic in the nesting depth."""
+    out: list[Tag] = []
+    stack = list(reversed(root.contents))
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, Tag):
+            continue
+        if pred(node):
+            out.append(node)
+        else:
+            stack.extend(reversed(node.contents))
+    return out
+
+
 def html_blocks(markup: str, drops: DropLog) -> list[Block]:
     """Split an HTML document into heading and paragraph blocks; log what was removed."""
     soup = BeautifulSoup(markup, "html.parser")
-    for t in soup.find_all(_SCRIPT_TAGS):
-        if t.decomposed:  # already removed with an ancestor
-            continue
+    for t in _outermost(soup, lambda t: t.name in _SCRIPT_TAGS):
         drops.add("html_script", t.name + ": " + " ".join(t.get_text(" ").split()))
         t.decompose()
-    for t in soup.find_all(True):
-        if t.decomposed:
-            continue
-        if _is_chrome(t):
-            drops.add("html_boilerplate", t.name + ": " + " ".join(t.get_text(" ").split()))
-            t.decompose()
+    for t in _outermost(soup, _is_chrome):
+        drops.add("html_boilerplate", t.name + ": " + " ".join(t.get_text(" ").split()))
+        t.decompose()
     roots = soup.find_all("main") or soup.find_all("article") or [soup.body or soup]
     blocks: list[Block] = []
     buf: list[str] = []
@@ -71,8 +85,15 @@ def html_blocks(markup: str, drops: DropLog) -> list[Block]:
             rank = heading_rank(text)
             blocks.append(Block(text, heading_rank=rank))
 
-    def walk(node: Tag) -> None:
-        for child in node.children:
+    flush_mark = object()  # "this block element ends here": flush
+
+    def walk(node: Tag) -> None:  # iterative: nesting depth is the page's, not ours to bound
+        stack: list = list(reversed(node.contents))
+        while stack:
+            child = stack.pop()
+            if child is flush_mark:
+                flush()
+                continue
             if isinstance(child, (Comment, Doctype, ProcessingInstruction)):
                 continue
             if isinstance(child, NavigableString):
@@ -89,10 +110,10 @@ def html_blocks(markup: str, drops: DropLog) -> list[Block]:
                 buf.append(" ")
             elif child.name in _BLOCK_TAGS:
                 flush()
-                walk(child)
-                flush()
+                stack.append(flush_mark)
+                stack.extend(reversed(child.contents))
             else:
-                walk(child)
+                stack.extend(reversed(child.contents))
 
     for root in roots:
         walk(root)

@@ -53,11 +53,20 @@ class TriggerConfig:
     def from_calibration(cls, calibration: dict) -> "TriggerConfig":
         """Defaults overridden by ``calibration["thresholds"]`` of a library manifest (written by
         ``sfcl anchors calibrate``); raises ValueError on unknown keys or out-of-range values."""
-        thr = dict((calibration or {}).get("thresholds") or {})
+        if not isinstance(calibration or {}, dict):
+            raise ValueError(f"anchor library calibration must be an object, got {type(calibration).__name__}")
+        thr = (calibration or {}).get("thresholds") or {}
+        if not isinstance(thr, dict):
+            raise ValueError(f"anchor library thresholds must be an object, got {type(thr).__name__}")
         bad = set(thr) - {"entity_prob_threshold", "dispersion_z", "surprisal_z"}
         if bad:
             raise ValueError(f"anchor library thresholds: unknown key(s) {sorted(bad)}")
-        return cls(**{k: float(v) for k, v in thr.items()})
+        values = {}
+        for k, v in thr.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"anchor library thresholds: {k} must be a finite number, got {v!r}")
+            values[k] = float(v)
+        return cls(**values)
 
 
 @dataclass(slots=True)
