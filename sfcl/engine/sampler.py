@@ -15,23 +15,40 @@ MIN_TOP_P = 1e-6  # a smaller top_p keeps only the most likely token anyway
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits (B, V) float32 -> token ids (B,) int64 on the same device."""
-    out = logits.argmax(-1)  # (B,)
-    for i, t in enumerate(temperatures):
-        if t <= MIN_TEMPERATURE:  # 0, or so small that logits / t overflows: greedy
-            continue
-        probs = torch.softmax(logits[i] / t, dim=-1)  # (V,)
-        if not bool(torch.isfinite(probs).all()):
-            continue  # degenerate row: keep its argmax rather than fail the batch
-        top_p = max(float(top_ps[i]), MIN_TOP_P)
-        if top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            keep = sp.cumsum(-1) - sp < top_p  # always keeps the most likely token
-            sp = torch.where(keep, sp, torch.zeros_like(sp))
-            j = torch.multinomial(sp, 1, generator=generators[i])
-            out[i] = si[j][0]
-        else:
-            out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    """logits (B, V) float32 -> token ids (B,) int64 on the same device.
+
+    Batched over rows: greedy rows take the max; sampled rows draw one uniform u from their own
+    generator and take the inverse CDF of softmax(logits / T) (restricted to the nucleus when
+    top_p < 1) at u. ``max(-1).indices`` rather than ``argmax``, and one searchsorted rather than a
+    ``multinomial`` per row: on CPU those were 3 ms and ~1 ms per row over a 49k vocabulary, a
+    quarter of a decode step at batch 16.
+    """
+    out = logits.max(-1).indices  # (B,)
+    rows = [i for i, t in enumerate(temperatures) if t > MIN_TEMPERATURE]  # others: greedy
+    if not rows:
+        return out
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    temp = torch.tensor([float(temperatures[i]) for i in rows], device=dev, dtype=torch.float32)
+    probs = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)  # (n, V)
+    ok = torch.isfinite(probs).all(-1)  # (n,) a degenerate row keeps its argmax
+    probs = torch.where(ok[:, None], probs, torch.zeros((), device=dev))
+    u = torch.stack([torch.rand((), generator=generators[i], device=dev) for i in rows])  # (n,)
+    top_p = torch.tensor([max(float(top_ps[i]), MIN_TOP_P) for i in rows], device=dev)  # (n,)
+    tok = torch.empty(len(rows), dtype=torch.long, device=dev)
+    nuc = top_p < 1.0
+    plain = ~nuc
+    if bool(plain.any()):
+        cdf = probs[plain].cumsum(-1)  # (m, V)
+        tok[plain] = torch.searchsorted(cdf, (u[plain] * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[1] - 1)
+    if bool(nuc.any()):
+        sp, si = probs[nuc].sort(-1, descending=True)  # (m, V)
+        keep = sp.cumsum(-1) - sp < top_p[nuc][:, None]  # always keeps the most likely token
+        sp = torch.where(keep, sp, torch.zeros((), device=dev))
+        cdf = sp.cumsum(-1)
+        j = torch.searchsorted(cdf, (u[nuc] * cdf[:, -1])[:, None], right=True).clamp_max(cdf.shape[1] - 1)
+        tok[nuc] = si.gather(1, j)[:, 0]
+    out[idx] = torch.where(ok, tok, out[idx])
     return out
 
 
