@@ -102,9 +102,8 @@ class PrefixCache:
         if not self.lru:
             return None
         bid, _ = self.lru.popitem(last=False)  # least recently used
+        self._forget(bid)  # evict
         b = self.blocks[bid]
-        if b.hash is not None and self.by_hash.get(b.hash) == bid:
-            del self.by_hash[b.hash]  # evict
         b.hash, b.tokens, b.ref, b.ready = h, tokens, 1, False
         self.by_hash[h] = bid
         self._pending.append(bid)
@@ -121,9 +120,7 @@ class PrefixCache:
                 if b.ready:
                     self.lru[bid] = None
                 else:  # never written (its sequence ended before the save ran): forget it
-                    if b.hash is not None and self.by_hash.get(b.hash) == bid:
-                        del self.by_hash[b.hash]
-                    b.hash, b.tokens = None, ()
+                    self._forget(bid)
                     self.lru[bid] = None
                     self.lru.move_to_end(bid, last=False)  # reuse empty blocks first
 
@@ -138,22 +135,18 @@ class PrefixCache:
         """The step that should have written the pending blocks did not run (it failed): unhash
         them so that nobody restores unwritten content. Owners keep their reference."""
         for bid in self._pending:
-            b = self.blocks[bid]
-            if b.hash is not None and self.by_hash.get(b.hash) == bid:
-                del self.by_hash[b.hash]
-            b.hash, b.tokens = None, ()
+            self._forget(bid)
         self._pending.clear()
+
+    def _forget(self, bid: int) -> None:
+        """Drop a block's hash and content record (it becomes an empty block)."""
+        b = self.blocks[bid]
+        if b.hash is not None and self.by_hash.get(b.hash) == bid:
+            del self.by_hash[b.hash]
+        b.hash, b.tokens, b.ready = None, (), False
 
     def _ref(self, bid: int) -> None:
         b = self.blocks[bid]
         if b.ref == 0:
             self.lru.pop(bid, None)
         b.ref += 1
-
-    def reset(self) -> None:
-        """Forget every unreferenced cached block (e.g. after weights or KV dtype change)."""
-        for bid in list(self.lru):
-            b = self.blocks[bid]
-            if b.hash is not None and self.by_hash.get(b.hash) == bid:
-                del self.by_hash[b.hash]
-            b.hash, b.tokens, b.ready = None, (), False
