@@ -28,7 +28,7 @@ import torch
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.sampler import sample, steer_resample
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
-from sfcl.model.llama import AttnBatch, LlamaModel
+from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, StepBatch
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, Snapshotter,
                                        SnapshotState)
@@ -111,47 +111,62 @@ class ModelRunner:
         for r in plan.restores:
             self.kv.restore(r.slot, r.first_block, r.pool_blocks)
             out.restored_tokens += len(r.pool_blocks) * self.kv.block_size
-        seqs: list[Sequence] = []
-        logits, hidden, disp = [], [], []
+        seqs: list[Sequence] = list(plan.decode)
+        ids: list[int] = [s.last_token for s in plan.decode]
+        positions: list[int] = [s.num_tokens - 1 for s in plan.decode]
+        decode = None
         if plan.decode:
             B = len(plan.decode)
-            ids = torch.tensor([[s.last_token] for s in plan.decode], device=self.device)  # (B, 1)
-            pos = torch.tensor([s.num_tokens - 1 for s in plan.decode], device=self.device)  # (B,)
-            S = int(max(s.num_tokens for s in plan.decode))
+            pos = torch.tensor(positions, device=self.device)  # (B,)
+            S = max(positions) + 1
             self.kv.ensure_initialized(B, S)
             mask = torch.arange(S, device=self.device)[None, :] <= pos[:, None]  # (B, S)
-            batch = AttnBatch(is_prefill=False, slots=torch.arange(B, device=self.device), positions=pos,
-                              kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B))
-            fo = self.model(ids, batch, self.kv, self.tap_layer)
-            seqs.extend(plan.decode)
-            logits.append(fo.logits)  # (B, V)
-            hidden.append(fo.tap_hidden[:, -1])  # (B, H)
-            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], pos + 1))
+            decode = AttnBatch(is_prefill=False, slots=torch.arange(B, device=self.device), positions=pos,
+                               kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B))
             out.decode_batch = B
+        chunks: list[ChunkSpec] = []
+        sample_index = list(range(len(plan.decode)))
+        n_valid = [p + 1 for p in positions]  # attended length of each sampled row's query
+        steer_chunks = []
         for ch in plan.prefill:
             seq = ch.seq
-            ids = torch.tensor([seq.prompt_ids[ch.start:ch.end]], device=self.device)  # (1, T)
-            batch = AttnBatch(is_prefill=True, slots=torch.tensor([seq.slot]),
-                              positions=torch.arange(ch.start, ch.end, device=self.device), kv_len=ch.end)
-            steer = seq.params.steer and self.snapshotter is not None
-            fo = self.model(ids, batch, self.kv, self.tap_layer, want_probs=ch.is_last, tap_all=steer)
-            if steer:  # context anchors (prefix-cached positions come back from their LRU)
-                self.context.add(seq.request_id, ch.start, fo.tap_hidden[0], seq.prompt_ids)
+            off = len(ids)
+            ids.extend(seq.prompt_ids[ch.start:ch.end])
+            positions.extend(range(ch.start, ch.end))
+            chunks.append(ChunkSpec(slot=seq.slot, start=ch.start, offset=off, length=ch.end - ch.start,
+                                    want_probs=ch.is_last))
+            if seq.params.steer and self.snapshotter is not None:
+                steer_chunks.append((ch, off))
             out.prefill_tokens += ch.end - ch.start
-            if not ch.is_last:
-                continue
-            self.state.reset(seq.slot)
-            seqs.append(seq)
-            logits.append(fo.logits)  # (1, V)
-            hidden.append(fo.tap_hidden[:, -1])  # (1, H)
-            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], torch.tensor([ch.end], device=self.device)))
+            if ch.is_last:
+                self.state.reset(seq.slot)
+                seqs.append(seq)
+                sample_index.append(len(ids) - 1)
+                n_valid.append(ch.end)
+        if ids:
+            step = StepBatch(positions=torch.tensor(positions, device=self.device), decode=decode, chunks=chunks,
+                             sample_index=torch.tensor(sample_index, dtype=torch.long, device=self.device),
+                             keep_tap_states=bool(steer_chunks))
+            so = self.model.forward_step(torch.tensor([ids], device=self.device), step, self.kv, self.tap_layer)
+            for ch, off in steer_chunks:  # context anchors (prefix-cached positions come back from their LRU)
+                self.context.add(ch.seq.request_id, ch.start, so.tap_states[off:off + ch.end - ch.start],
+                                 ch.seq.prompt_ids)
         for w in plan.saves:
             self.kv.save(w.slot, w.first_block, w.pool_blocks)
         if not seqs:
             return out
-        logits_t = torch.cat(logits)  # (N, V) float32
-        hidden_t = torch.cat(hidden)  # (N, H)
-        disp_t = torch.cat(disp)  # (N,)
+        logits_t = so.logits  # (N, V) float32
+        hidden_t = so.tap_hidden  # (N, H)
+        probs = [p[:, :, -1] for p in so.tap_probs if p is not None]  # (B_part, nh, S_part) each
+        nv = torch.tensor(n_valid, device=self.device)
+        if len(probs) == 1:
+            disp_t = attention_dispersion(probs[0], nv)  # (N,)
+        else:  # parts attend different lengths: one call per part
+            disp_t, i = [], 0
+            for p in probs:
+                disp_t.append(attention_dispersion(p, nv[i:i + p.shape[0]]))
+                i += p.shape[0]
+            disp_t = torch.cat(disp_t)
         tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                         [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)

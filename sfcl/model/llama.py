@@ -109,6 +109,35 @@ class AttnBatch:
     slot_range: tuple[int, int] | None = None  # decode: slots are exactly range(a, b) -> views, no gather
 
 
+@dataclass(slots=True)
+class ChunkSpec:
+    """One prompt chunk inside a ``StepBatch``: tokens [offset, offset+length) of the step are
+    prompt positions [start, start+length) of cache row ``slot``."""
+
+    slot: int
+    start: int
+    offset: int
+    length: int
+    want_probs: bool = False  # snapshot-layer weights of its last query (the chunk that samples)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """All tokens of one engine step, flattened: ``n_decode`` decode rows (one token each, cache
+    rows [0, n_decode), described by ``decode``) followed by the prompt chunks. One forward call
+    computes them all, so the weights are read once per step rather than once per part."""
+
+    positions: torch.Tensor  # (N,) int64 absolute position of every token
+    decode: AttnBatch | None  # the decode rows (is_prefill False), or None
+    chunks: list[ChunkSpec]
+    sample_index: torch.Tensor  # (M,) int64 tokens whose logits/tap are returned: decode rows, then last chunks
+    keep_tap_states: bool = False  # return the tap hidden state of every token (context anchors)
+
+    @property
+    def n_decode(self) -> int:
+        return 0 if self.decode is None else int(self.decode.positions.shape[0])
+
+
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -120,17 +149,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, batch: AttnBatch, kv, layer: int, want_probs: str | None):
-        """x: (B, T, H). kv: ``sfcl.engine.kv_cache.KVCache`` (writes and reads layer ``layer``).
-        Returns (out (B, T, H), probs).
-
-        want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
-        over attended positions: (B, nh, 1, S) for the last new token, or (1, nh, T, S) for all.
-        """
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (B, T, H) -> rotated q (B, T, nh, hd), k (B, T, nkv, hd) and v (B, T, nkv, hd);
+        cos/sin broadcast over (B, T, heads, hd)."""
         a = self.a
         B, T, _ = x.shape
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
-        g = nh // nkv
         qkv = self.qkv_proj(x)  # (B, T, (nh + 2 nkv) hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(B, T, nh, hd)
@@ -138,51 +162,100 @@ class Attention(nn.Module):
         v = v.view(B, T, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, nh, T, hd)
-        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.transpose(1, 2)  # (B, nkv, T, hd)
-        S = batch.kv_len
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def prefill_attn(self, q, k, v, start: int, slot: int, kv, layer: int, want_probs: str | None):
+        """One sequence's prompt chunk. q (1, nh, T, hd), k/v (1, nkv, T, hd) at positions
+        [start, start+T) of cache row ``slot``; attends to [0, start+T). Returns o (1, nh, T, hd)
+        and probs (None, or float32 (1, nh, 1, S) for "last" / (1, nh, T, S) for "all")."""
+        a = self.a
+        T = q.shape[2]
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        g = nh // nkv
+        S = start + T
         probs = None
+        kv.write_prefill(layer, slot, start, k[0], v[0])
+        kk, vv = kv.read(layer, slice(slot, slot + 1), S)  # (1, nkv, S, hd)
+        if want_probs == "all":
+            # Eager attention for this one layer: the builder calibrates on every position.
+            qg = q.reshape(1, nkv, g * T, hd)  # (1, nkv, g T, hd): heads of a group share K
+            s = torch.matmul(qg, kk.transpose(-1, -2)).view(1, nkv, g, T, S) * self.scale
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            s = s.float().masked_fill(~causal, float("-inf"))
+            p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
+            o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
+            return o.view(1, nh, T, hd), p.view(1, nh, T, S)
+        o = F.scaled_dot_product_attention(
+            q, kk, vv, is_causal=(start == 0), enable_gqa=True,
+            attn_mask=None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start),
+        )  # (1, nh, T, hd)
+        if want_probs == "last":
+            # Only the last query's weights are needed: one (g, S) row per KV head.
+            ql = q[:, :, -1:].reshape(1, nkv, g, hd)
+            s = torch.matmul(ql, kk.transpose(-1, -2)).float() * self.scale  # (1, nkv, g, S)
+            probs = s.softmax(-1).view(1, nh, 1, S)
+        return o, probs
+
+    def decode_attn(self, q, k, v, batch: AttnBatch, kv, layer: int, want_probs: bool):
+        """B sequences, one new token each. q (B, nh, hd), k/v (B, nkv, hd). Returns
+        o (B, nh * hd) and probs (None, or float32 (B, nh, 1, S))."""
+        a = self.a
+        B = q.shape[0]
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        g = nh // nkv
+        S = batch.kv_len
+        kv.write_decode(layer, batch.slots, batch.positions, k, v)  # (B, nkv, hd)
+        rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+        kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
+        # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x.
+        qg = q.reshape(B, nkv, g, hd)
+        s = torch.matmul(qg, kk.transpose(-1, -2)) * self.scale  # (B, nkv, g, S)
+        s = s.float().masked_fill(~batch.mask.view(B, 1, 1, S), float("-inf"))
+        p = s.softmax(-1)  # (B, nkv, g, S) fp32
+        o = torch.matmul(p.to(vv.dtype), vv).view(B, nh * hd)  # (B, nh hd)
+        return o, (p.view(B, nh, 1, S) if want_probs else None)  # one query per sequence: "last" == "all"
+
+    def forward(self, x, cos, sin, batch: AttnBatch, kv, layer: int, want_probs: str | None):
+        """x: (B, T, H). kv: ``sfcl.engine.kv_cache.KVCache`` (writes and reads layer ``layer``).
+        Returns (out (B, T, H), probs).
+
+        want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
+        over attended positions: (B, nh, 1, S) for the last new token, or (1, nh, T, S) for all.
+        """
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)  # (B, T, heads, hd)
         if batch.is_prefill:
-            slot = int(batch.slots[0])
-            start = S - T
-            kv.write_prefill(layer, slot, start, k[0], v[0])
-            kk, vv = kv.read(layer, slice(slot, slot + 1), S)  # (1, nkv, S, hd)
-            if want_probs == "all":
-                # Eager attention for this one layer: the builder calibrates on every position.
-                qg = q.reshape(1, nkv, g * T, hd)  # (1, nkv, g T, hd): heads of a group share K
-                s = torch.matmul(qg, kk.transpose(-1, -2)).view(1, nkv, g, T, S) * self.scale
-                causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start)
-                s = s.float().masked_fill(~causal, float("-inf"))
-                p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
-                o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
-                o = o.view(1, nh, T, hd)
-                probs = p.view(1, nh, T, S)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, kk, vv, is_causal=(start == 0), enable_gqa=True,
-                    attn_mask=None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start),
-                )  # (1, nh, T, hd)
-                if want_probs == "last":
-                    # Only the last query's weights are needed: one (g, S) row per KV head.
-                    ql = q[:, :, -1:].reshape(1, nkv, g, hd)
-                    s = torch.matmul(ql, kk.transpose(-1, -2)).float() * self.scale  # (1, nkv, g, S)
-                    probs = s.softmax(-1).view(1, nh, 1, S)
+            o, probs = self.prefill_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         batch.kv_len - T, int(batch.slots[0]), kv, layer, want_probs)
+            o = o.transpose(1, 2).reshape(B, T, -1)
         else:
-            pos = batch.positions  # (B,)
-            kv.write_decode(layer, batch.slots, pos, k[:, :, 0], v[:, :, 0])  # (B, nkv, hd)
-            rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
-            kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
-            # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x.
-            qg = q.reshape(B, nkv, g, hd)
-            s = torch.matmul(qg, kk.transpose(-1, -2)) * self.scale  # (B, nkv, g, S)
-            s = s.float().masked_fill(~batch.mask.view(B, 1, 1, S), float("-inf"))
-            p = s.softmax(-1)  # (B, nkv, g, S) fp32
-            o = torch.matmul(p.to(vv.dtype), vv).view(B, nh, 1, hd)  # (B, nh, 1, hd)
-            if want_probs:
-                probs = p.view(B, nh, 1, S)  # one query per sequence: "last" == "all"
-        o = o.transpose(1, 2).reshape(B, T, nh * hd)
+            o, probs = self.decode_attn(q[:, 0], k[:, 0], v[:, 0], batch, kv, layer, bool(want_probs))
+            o = o.view(B, 1, -1)
         return self.o_proj(o), probs
+
+    def forward_step(self, x, cos, sin, step: "StepBatch", kv, layer: int, tap: bool):
+        """One engine step's tokens in one call: x (1, N, H) = decode rows then prompt chunks.
+        The projections run once over all N tokens; attention runs per part (the decode rows as
+        one batch, each chunk on its own). Returns (out (1, N, H), probs per part: list, one
+        entry for the decode batch (if any) then one per chunk; float32 (B, nh, 1, S) or None;
+        only when ``tap``)."""
+        q, k, v = self.project(x, cos, sin)  # (1, N, heads, hd)
+        outs, probs = [], []
+        nd = step.n_decode
+        if nd:
+            o, p = self.decode_attn(q[0, :nd], k[0, :nd], v[0, :nd], step.decode, kv, layer, tap)
+            outs.append(o)  # (nd, nh hd)
+            probs.append(p)
+        for c in step.chunks:
+            a, b = c.offset, c.offset + c.length
+            o, p = self.prefill_attn(q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2),
+                                     c.start, c.slot, kv, layer, "last" if tap and c.want_probs else None)
+            outs.append(o[0].transpose(0, 1).reshape(c.length, -1))  # (T, nh hd)
+            probs.append(p)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (N, nh hd)
+        return self.o_proj(o[None]), probs
 
 
 class MLP(nn.Module):
@@ -272,6 +345,39 @@ class LlamaModel(nn.Module):
         if not all_positions:
             logits = logits[:, -1]
         return ForwardOut(logits=logits, tap_hidden=tap_hidden, tap_probs=tap_probs)
+
+
+    @torch.inference_mode()
+    def forward_step(self, ids: torch.Tensor, step: StepBatch, kv, tap_layer: int) -> "StepOut":
+        """One engine step: ids (1, N) int64 laid out as ``step`` says. Linear layers see all N
+        tokens at once; attention is per part (``Attention.forward_step``). Logits and the tap
+        hidden state are returned only for ``step.sample_index`` (M rows), so chunks that do not
+        end a prompt cost no lm_head."""
+        h = self.embed_tokens(ids)  # (1, N, H)
+        cos, sin = self.rope(step.positions, h.dtype)  # (N, 1, hd)
+        cos, sin = cos[None], sin[None]  # (1, N, 1, hd)
+        tap_hidden = tap_probs = None
+        for i, layer in enumerate(self.layers):
+            is_tap = i == tap_layer
+            attn_out, probs = layer.self_attn.forward_step(layer.input_layernorm(h), cos, sin, step, kv, i, is_tap)
+            h = h + attn_out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if is_tap:
+                tap_hidden, tap_probs = h[0], probs  # (N, H)
+        hs = h[0, step.sample_index]  # (M, H)
+        logits = self.lm_head(self.norm(hs)).float()  # (M, V)
+        return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=tap_probs,
+                       tap_states=tap_hidden if step.keep_tap_states else None)
+
+
+@dataclass(slots=True)
+class StepOut:
+    """Result of ``LlamaModel.forward_step`` (tensors stay on the model's device)."""
+
+    logits: torch.Tensor  # (M, V) float32, rows = StepBatch.sample_index
+    tap_hidden: torch.Tensor  # (M, H) residual stream after the snapshot layer, same rows
+    tap_probs: list  # per part (decode batch first, then chunks): float32 (B, nh, 1, S) or None
+    tap_states: torch.Tensor | None  # (N, H) tap states of every token, when StepBatch.keep_tap_states
 
 
 def load_weights(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
