@@ -82,3 +82,56 @@ def test_local_hf_folder_loads_and_matches_transformers(tmp_path, lm, arch):
     kv = KVCache(mine.args, 1, 32, torch.float32)
     out = mine.model(ids, AttnBatch(True, torch.tensor([0]), torch.arange(6), 6), kv, 1, all_positions=True)
     assert torch.allclose(out.logits[0], ref, atol=1e-4)
+
+
+def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
+    """One flattened step (2 decode rows + 2 prompt chunks of different sequences) gives the
+    same logits, tap states and snapshot-layer weights as the per-part forwards (fp32)."""
+    from sfcl.model.llama import ChunkSpec, StepBatch
+
+    tok = fp32.tokenizer
+    texts = ["The Receiving Party shall keep the Information confidential.",
+             "This Agreement is governed by the laws of the State of New York.",
+             "Disclosing Party means the party that discloses information.",
+             "Either party may terminate this Agreement on thirty days notice."]
+    ids = [tok(t).input_ids for t in texts]
+    layer, S_max = 5, 64
+
+    def prefill(kv, slot, toks):
+        T = len(toks)
+        return fp32.model(torch.tensor([toks]), AttnBatch(True, torch.tensor([slot]), torch.arange(T), T), kv, layer)
+
+    # reference: rows 0 and 1 decode one token after their prompts; rows 2 and 3 prefill alone
+    ref_kv = KVCache(fp32.args, 4, S_max, torch.float32)
+    for slot in (0, 1):
+        prefill(ref_kv, slot, ids[slot][:-1])
+    pos = torch.tensor([len(ids[0]) - 1, len(ids[1]) - 1])
+    S = int(pos.max()) + 1
+    mask = (torch.arange(S)[None, :] <= pos[:, None]).view(2, 1, 1, S)
+    dec = AttnBatch(False, torch.arange(2), pos, S, mask, (0, 2))
+    ref_dec = fp32.model(torch.tensor([[ids[0][-1]], [ids[1][-1]]]), dec, ref_kv, layer)
+    ref_c = [prefill(ref_kv, slot, ids[slot]) for slot in (2, 3)]
+
+    kv = KVCache(fp32.args, 4, S_max, torch.float32)
+    for slot in (0, 1):
+        prefill(kv, slot, ids[slot][:-1])
+    flat = [ids[0][-1], ids[1][-1]] + ids[2] + ids[3]
+    n2, n3 = len(ids[2]), len(ids[3])
+    step = StepBatch(positions=torch.cat([pos, torch.arange(n2), torch.arange(n3)]), decode=dec,
+                     chunks=[ChunkSpec(slot=2, start=0, offset=2, length=n2, want_probs=True),
+                             ChunkSpec(slot=3, start=0, offset=2 + n2, length=n3, want_probs=True)],
+                     sample_index=torch.tensor([0, 1, 1 + n2, 1 + n2 + n3]), keep_tap_states=True)
+    out = fp32.model.forward_step(torch.tensor([flat]), step, kv, layer)
+    want_logits = torch.cat([ref_dec.logits, ref_c[0].logits, ref_c[1].logits])
+    assert torch.allclose(out.logits, want_logits, atol=1e-4)
+    want_tap = torch.cat([ref_dec.tap_hidden[:, -1], ref_c[0].tap_hidden[:, -1], ref_c[1].tap_hidden[:, -1]])
+    assert torch.allclose(out.tap_hidden, want_tap, atol=1e-4)
+    assert out.tap_states.shape == (len(flat), fp32.args.hidden_size)
+    assert torch.allclose(out.tap_probs[0], ref_dec.tap_probs, atol=1e-5)
+    assert torch.allclose(out.tap_probs[1], ref_c[0].tap_probs, atol=1e-5)
+    assert torch.allclose(out.tap_probs[2], ref_c[1].tap_probs, atol=1e-5)
+    # and the KV it wrote is the KV the separate forwards wrote
+    for slot, n in ((0, len(ids[0])), (1, len(ids[1])), (2, n2), (3, n3)):
+        k, v = kv.read(layer, slice(slot, slot + 1), n)
+        rk, rv = ref_kv.read(layer, slice(slot, slot + 1), n)
+        assert torch.allclose(k, rk, atol=1e-5) and torch.allclose(v, rv, atol=1e-5)

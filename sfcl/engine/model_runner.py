@@ -2,8 +2,9 @@
 snapshot triggers and does the step's anchor lookups; hands back plain Python results.
 
 It never decides anything (the scheduler does). Lives in the engine thread; tensors stay on the
-model's device. Per step: KV moves and prefix-cache restores, one batched decode forward for the
-decoding sequences, one forward per prompt chunk, prefix-cache saves, then sampling and trigger
+model's device. Per step: KV moves and prefix-cache restores, ONE forward for all the step's tokens
+(decode rows and prompt chunks flattened: the linear layers read the weights once, attention runs
+per part; ``LlamaModel.forward_step``), prefix-cache saves, then sampling and trigger
 evaluation over all sampled rows at once, one host transfer of the packed per-row results, and
 (only when some row looks up an anchor) one transfer of the looked-up rows' hidden states (plus
 their logits when they steer) and one batched search per library version in use (normally one;
