@@ -52,6 +52,9 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768,
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
+                        "compiles for ~1 min at startup; needs a C++ compiler on CPU; not with --kv-cache-dtype int8")
     p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
     p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")
     p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")
@@ -80,7 +83,7 @@ def _configs(a):
                       priority_tags=_csv(a.priority_tags), metric_tags=_csv(a.metric_tags),
                       price_per_hour=a.price_per_hour, max_num_batched_tokens=a.max_num_batched_tokens,
                       kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
-                      prefix_cache_tokens=a.prefix_cache_tokens)
+                      prefix_cache_tokens=a.prefix_cache_tokens, compile=a.compile)
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8 (block-wise, KIVI-style)
     block_size: int = 16  # KV block size in tokens (prefix cache, INT8 key scales)
     prefix_cache_tokens: int = 32768  # prefix-cache pool capacity in tokens (0: off)
+    compile: bool = False  # torch.compile the decode-only step (sfcl.model.compiled); compiles at startup
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
@@ -50,6 +51,8 @@ class EngineConfig:
                              f"({self.block_size + self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.compile and self.kv_cache_dtype == "int8":
+            raise ValueError("--compile works with the bf16/fp32 KV cache, not --kv-cache-dtype int8")
         if self.price_per_hour < 0:
             raise ValueError("price_per_hour must be >= 0")
         self.priority_tags, self.metric_tags = tuple(self.priority_tags), tuple(self.metric_tags)

@@ -119,7 +119,14 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
-    runner = ModelRunner(lm.model, kv, layer, snap, device)
+    compiled = None
+    if ecfg.compile:
+        from sfcl.model.compiled import CompiledDecode
+
+        compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
+        anchor_log("compiling the decode step (torch.compile, once per process) ...")
+        anchor_log(f"compiled in {compiled.warmup(layer):.0f} s")
+    runner = ModelRunner(lm.model, kv, layer, snap, device, compiled_decode=compiled)
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
                                       max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags,
                                       max_num_batched_tokens=ecfg.max_num_batched_tokens,

@@ -60,7 +60,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, tap_layer: int,
                  snapshotter: Snapshotter | None = None, device: str = "cpu",
-                 context: ContextAnchors | None = None):
+                 context: ContextAnchors | None = None, compiled_decode=None):
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
@@ -70,6 +70,7 @@ class ModelRunner:
         self.generators: dict[tuple[str, str], torch.Generator] = {}
         self.bindings: dict[str, Binding] = {}
         self.context = context if context is not None else ContextAnchors()  # prompt anchors (steering requests)
+        self.compiled_decode = compiled_decode  # sfcl.model.compiled.CompiledDecode for decode-only steps, or None
 
     def admit(self, request_id: str, prompt_text: str | None = None) -> Binding | None:
         """Bind a new request to the current library version (None without snapshots)."""
@@ -102,7 +103,7 @@ class ModelRunner:
             self.generators[(seq.request_id, device)] = g
         return g
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the compiled decode step writes the KV cache in place
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         t0 = time.perf_counter()
@@ -148,7 +149,11 @@ class ModelRunner:
             step = StepBatch(positions=torch.tensor(positions, device=self.device), decode=decode, chunks=chunks,
                              sample_index=torch.tensor(sample_index, dtype=torch.long, device=self.device),
                              keep_tap_states=bool(steer_chunks))
-            so = self.model.forward_step(torch.tensor([ids], device=self.device), step, self.kv, self.tap_layer)
+            ids_t = torch.tensor([ids], device=self.device)  # (1, N)
+            if self.compiled_decode is not None and not chunks:
+                so = self.compiled_decode(ids_t, step, self.tap_layer)
+            else:
+                so = self.model.forward_step(ids_t, step, self.kv, self.tap_layer)
             for ch, off in steer_chunks:  # context anchors (prefix-cached positions come back from their LRU)
                 self.context.add(ch.seq.request_id, ch.start, so.tap_states[off:off + ch.end - ch.start],
                                  ch.seq.prompt_ids)

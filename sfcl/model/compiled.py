@@ -1,0 +1,73 @@
+"""Compiled decode step (``sfcl serve --compile``): ``torch.compile`` (TorchInductor) of
+``LlamaModel.forward_step`` for steps that only decode.
+
+Why: at batch 1 on CPU an eager decode step of a small model is dominated by ~3,000 operator
+dispatches (RMSNorm, RoPE, attention and residual element-wise ops of every layer), not by the
+GEMVs. Inductor fuses the element-wise ops into generated C++ loops and removes the Python and
+dispatcher overhead between them; the GEMMs stay library calls. The step is compiled with dynamic
+shapes (``dynamic=True``), so the batch size B and the attended length S are symbolic: in practice
+two graphs cover every decode step (B = 1, which Inductor specialises, and B >= 2), and a new
+length never recompiles. Steps that carry prompt chunks run eager (their structure varies step to
+step; they are few in steady decoding), like vLLM, which captures only decode batches.
+
+Compilation happens in ``warmup()`` (tens of seconds on 2 CPU cores, once per process; Inductor
+caches generated code under /tmp/torchinductor_$USER so a restart is faster) so no request pays it.
+Requires a C++ compiler on CPU (Inductor's C++ backend). The block-wise INT8 KV path has
+data-dependent Python control flow and stays eager (``CompiledDecode`` refuses it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+from sfcl.model.llama import AttnBatch, LlamaModel, StepBatch, StepOut
+
+log = logging.getLogger("sfcl.engine")
+
+
+class CompiledDecode:
+    """Callable like ``model.forward_step(ids, step, kv, tap_layer)`` for decode-only steps.
+
+    Raises ValueError for an INT8 KV cache, RuntimeError (from Inductor) when no C++ compiler
+    is available. Must be called with autograd off (``torch.no_grad()``), not under
+    ``torch.inference_mode()``: Inductor cannot trace in-place KV writes to inference tensors.
+    """
+
+    def __init__(self, model: LlamaModel, kv):
+        if kv.int8:
+            raise ValueError("--compile works with the bf16/fp32 KV cache; the INT8 KV cache runs eager")
+        self.model, self.kv = model, kv
+        raw = functools.partial(LlamaModel.forward_step.__wrapped__, model)  # without inference_mode
+        self.fn = torch.compile(raw, dynamic=True)
+        self.compile_s = 0.0
+        self.calls = 0  # decode steps served by the compiled graphs (warm-up included)
+
+    def __call__(self, ids: torch.Tensor, step: StepBatch, tap_layer: int) -> StepOut:
+        if step.chunks:
+            raise ValueError("CompiledDecode runs decode-only steps")
+        self.calls += 1
+        return self.fn(ids, step, self.kv, tap_layer)
+
+    @torch.no_grad()
+    def warmup(self, tap_layer: int, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
+        """Compile the graphs decode will use (B = 1 and B >= 2) on dummy rows; returns seconds.
+        Writes one position of KV rows [0, max(batch_sizes)): harmless, rows are rewritten by
+        every prefill before they are read."""
+        t0 = time.perf_counter()
+        dev = self.kv.k[0].device
+        for B in batch_sizes:
+            if B > self.kv.n_slots:
+                continue
+            pos = torch.zeros(B, dtype=torch.long, device=dev)
+            self.kv.ensure_initialized(B, 1)
+            step = StepBatch(positions=pos, chunks=[], sample_index=torch.arange(B, device=dev),
+                             decode=AttnBatch(is_prefill=False, slots=torch.arange(B, device=dev), positions=pos,
+                                              kv_len=1, mask=torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev),
+                                              slot_range=(0, B)))
+            self(torch.zeros(1, B, dtype=torch.long, device=dev), step, tap_layer)
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s

@@ -1,0 +1,61 @@
+"""The compiled decode step (``sfcl.model.compiled``) gives the eager engine's output."""
+
+import pytest
+import torch
+
+from sfcl.config import EngineConfig
+from sfcl.engine.engine import run_to_completion
+from sfcl.engine.events import Finished, TextDelta
+from sfcl.engine.request import SamplingParams
+from sfcl.model.compiled import CompiledDecode
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nda_prompt(lm):
+    from conftest import contractnli_docs
+
+    return lm.tokenizer.encode(contractnli_docs(1)[0].text[:3000])
+
+
+def _texts(events):
+    return ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in events]
+
+
+def test_compiled_decode_matches_eager_greedy_fp32(cache_dir, nda_prompt):
+    """fp32, several sequences joining and leaving (B = 1 and B >= 2 graphs, lengths crossing
+    the zero-ahead boundary): the compiled engine emits the eager engine's greedy tokens."""
+    from sfcl.model.loader import load_model
+    from sfcl.serving import make_llm_engine
+
+    fp32 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    prompts = [(nda_prompt[:n], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+               for n, m in ((240, 24), (17, 40), (90, 8), (250, 12))]
+    eager = make_llm_engine(fp32, None, EngineConfig(max_num_seqs=4, max_model_len=512))
+    comp = make_llm_engine(fp32, None, EngineConfig(max_num_seqs=4, max_model_len=512, compile=True))
+    assert comp.runner.compiled_decode is not None and comp.runner.compiled_decode.compile_s > 0
+    a, b = run_to_completion(eager, prompts), run_to_completion(comp, prompts)
+    assert comp.runner.compiled_decode.calls > 40  # the decode steps really ran compiled
+    assert _texts(a) == _texts(b)
+    assert all(isinstance(ev[-1], Finished) for ev in b)
+    assert [ev[-1].completion_tokens for ev in b] == [24, 40, 8, 12]
+
+
+def test_compile_refuses_int8_kv():
+    with pytest.raises(ValueError, match="int8"):
+        EngineConfig(kv_cache_dtype="int8", compile=True)
+
+
+def test_compiled_decode_refuses_prefill_steps(lm):
+    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.llama import ChunkSpec, StepBatch
+
+    kv = KVCache(lm.args, 2, 64, torch.bfloat16)
+    cd = CompiledDecode(lm.model, kv)
+    step = StepBatch(positions=torch.arange(3), decode=None, chunks=[ChunkSpec(0, 0, 0, 3)],
+                     sample_index=torch.tensor([2]))
+    with pytest.raises(ValueError, match="decode-only"):
+        cd(torch.zeros(1, 3, dtype=torch.long), step, 3)
+    with pytest.raises(ValueError, match="INT8"):
+        CompiledDecode(lm.model, KVCache(lm.args, 2, 64, torch.bfloat16, kv_dtype="int8"))
