@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8 (block-wise, KIVI-style)
     block_size: int = 16  # KV block size in tokens (prefix cache, INT8 key scales)
     prefix_cache_tokens: int = 32768  # prefix-cache pool capacity in tokens (0: off)
+    enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
