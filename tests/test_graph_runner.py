@@ -218,3 +218,13 @@ def test_engine_with_static_decode_path_equals_eager(fp32, nda_library):
         assert isinstance(ev_g[rid][-1], Finished)
     assert not any(isinstance(e, SnapshotEvent) for e in ev_e["r0"])  # off: none; r1/r3: always
     assert sum(isinstance(e, SnapshotEvent) for e in ev_g["r1"]) == 22
+
+
+def test_enforce_eager_flag_and_cpu_defaults(lm):
+    from sfcl.cli import _configs, build_parser
+
+    a = build_parser().parse_args(["serve", "--enforce-eager"])
+    assert _configs(a)[1].enforce_eager is True
+    assert _configs(build_parser().parse_args(["serve"]))[1].enforce_eager is False
+    eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2))  # CPU: always eager, unfused
+    assert eng.runner.graphs is None and eng.runner.fused_lookup is False

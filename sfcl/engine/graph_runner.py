@@ -107,13 +107,16 @@ class DecodeGraphRunner:
             g = max(self.kv_bucket, (1 << ((S - 1).bit_length() - 1)) // KV_OCTAVE_STEPS)
         return min(self.kv.max_len, -(-S // g) * g)
 
-    def run(self, tokens: list[int], positions: list[int]) -> DecodeOut:
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> DecodeOut:
         """Decode one token for each of the rows in KV slots [0, B).
 
-        tokens: B host ints, the last token of each row. positions: B host ints, that token's
-        position (the row holds KV for [0, position)). Returns a ``DecodeOut`` of B rows.
+        tokens: the last token of each row: B host ints, or a (B,) int64 tensor on the model's
+        device (e.g. last step's device-side argmax: copied on the device, no host sync).
+        positions: B host ints, that token's position (the row holds KV for [0, position)).
+        Returns a ``DecodeOut`` of B rows.
         Raises ValueError on mismatched lengths, B outside 1..n_slots or a position past max_len.
         """
+        on_device = isinstance(tokens, torch.Tensor)
         B = len(tokens)
         if B != len(positions) or B < 1:
             raise ValueError("tokens and positions must be non-empty lists of the same length")
@@ -124,7 +127,7 @@ class DecodeGraphRunner:
         self.kv.ensure_initialized(Bp, Sp)  # masked positions must hold finite values
         scratch = self.kv.n_slots
         pad = Bp - B
-        host = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
+        host = torch.tensor([([0] * B if on_device else list(tokens)) + [0] * pad, list(positions) + [0] * pad,
                              list(range(B)) + [scratch] * pad], dtype=torch.long)  # (3, Bp)
         if self._pin:
             host = host.pin_memory()  # the caching host allocator keeps it alive until the copy ran
@@ -136,6 +139,8 @@ class DecodeGraphRunner:
 
         def fill(inp: Buffers) -> None:
             inp["io"].copy_(host, non_blocking=True)
+            if on_device:
+                inp["io"][0, :B].copy_(tokens)
 
         def fn(inp: Buffers) -> Buffers:
             return self._forward(inp["io"], Bp, Sp)

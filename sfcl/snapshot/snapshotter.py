@@ -183,6 +183,8 @@ class Snapshotter:
         from sfcl.snapshot.device_search import DeviceAnchorIndex
 
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one copy
+            dev = torch.device("cuda", torch.cuda.current_device())
         cache = self.__dict__.setdefault("_device_indexes", {})  # not in __init__: built only when fused
         di = cache.get(dev)
         if di is None:
