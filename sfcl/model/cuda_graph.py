@@ -99,7 +99,9 @@ class GraphCache:
                     fn(e.inputs)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: another thread's CUDA work during a capture (an anchor reload uploading
+            # its device index from an HTTP worker) must not invalidate it, nor fail itself
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = fn(e.inputs)
             if self._pool is None:
                 self._pool = graph.pool()
