@@ -178,7 +178,6 @@ def time_decode(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: in
     captured = g.graphs.captured if g is not None else []
     if g is not None and g.graphs.failed:
         print(f"graph capture failed: {g.graphs.failed}", file=sys.stderr)
-    del kv, g
     return {"ms_per_step": ms, "kv_bytes_read": kv_read, "captured": captured}
 
 
@@ -240,7 +239,6 @@ def time_engine(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: in
         one()
     ms = (time.perf_counter() - t) * 1e3 / steps
     replays = g.graphs.replays if g is not None else 0
-    del runner, kv, g
     return {"ms_per_step": ms, "lookups_per_step": lookups / steps, "graph_replays": replays}
 
 

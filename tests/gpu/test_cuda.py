@@ -72,6 +72,7 @@ def test_graph_replay_equals_eager(gb, dtype, kv_dtype):
     over a padded, masked bucket), and never writes the padded row's KV (a prefilling sequence)."""
     from sfcl.engine.graph_runner import DecodeGraphRunner
     from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.llama import AttnBatch
     from sfcl.snapshot.triggers import attention_dispersion
 
     torch.manual_seed(0)
@@ -101,7 +102,6 @@ def test_graph_replay_equals_eager(gb, dtype, kv_dtype):
                 p = torch.tensor([x + i for x in pos], device=dev)
                 S = int(max(pos)) + i + 1
                 kv.ensure_initialized(3, S)
-                from sfcl.model.llama import AttnBatch
                 mask = torch.arange(S, device=dev)[None, :] <= p[:, None]
                 batch = AttnBatch(is_prefill=False, slots=torch.arange(3, device=dev), positions=p, kv_len=S,
                                   mask=mask.view(3, 1, 1, S), slot_range=(0, 3))
@@ -214,7 +214,6 @@ def test_pure_decode_step_synchronisations(gb, tmp_path):
     packed results' one device->host transfer, plus two synchronous host->device uploads in
     ModelRunner.execute (slots, modes; see the report in the commit)."""
     from sfcl.engine.graph_runner import DecodeGraphRunner
-    from sfcl.engine.kv_cache import KVCache
     from sfcl.engine.model_runner import ModelRunner
     from sfcl.engine.request import SamplingParams
     from sfcl.engine.scheduler import SchedulerOutput, Sequence
