@@ -4,10 +4,19 @@
 No network, no checkpoint: a random-weight model of Llama-3.1-8B shape (hidden 4096, 32 layers,
 32 heads, 8 KV heads, intermediate 14336, vocab 128256) in bf16, built with
 ``sfcl.model.llama.LlamaModel`` directly on the device (decode speed does not depend on weight
-values). For batch 1 and 16 it times ms per decode step with our KV cache
-(``sfcl.engine.kv_cache.KVCache``, slots zeroed, ``--context`` positions already "filled"),
-eager and with CUDA-graph replay (``sfcl.model.cuda_graph.DecodeGraphs``), greedy next token
-on the device each step. In the same run:
+values). For batch 1 and 16, with our KV cache (``sfcl.engine.kv_cache.KVCache``, slots zeroed,
+``--context`` positions already "filled"), it times ms per decode step of:
+
+- the decode *forward* with the snapshot tap, greedy next token on the device each step (no host
+  sync per step, so the CPU may queue ahead): eager with exact shapes (what the runner's eager
+  branch runs) and replayed from CUDA graphs (``sfcl.engine.graph_runner.DecodeGraphRunner``:
+  padded batch / KV-length buckets, tap hidden state and attention dispersion inside the graph);
+- the *engine* step, ``ModelRunner.execute`` on a pure-decode plan: forward, sampling, the three
+  triggers, the fused anchor lookup (a random ``--anchors``-row library of the model's hidden
+  size, searched on the device) and the step's one host transfer; eager (``--enforce-eager``) and
+  with graphs, snapshots off and with every token looked up (``always``).
+
+In the same run:
 
 - bandwidth floor = bytes one decode step must read / measured device-to-device copy bandwidth.
   Bytes read: every weight except the embedding table (a step gathers only B of its rows) plus the
@@ -18,7 +27,8 @@ on the device each step. In the same run:
   a prompt of ``--context`` random tokens; ms per decode step = time between the first and last
   generated token / (tokens - 1), from a StoppingCriteria clock (so prefill is excluded).
 
-Targets (issue 3, on an H200): batch-1 step <= 1.3x the floor; >= 10x faster than HF generate().
+Targets (issue 3, on an H200): batch-1 step <= 1.3x the floor; >= 10x faster than HF generate();
+checked on the forward (best of eager and graph) and on the engine step (graphs, snapshots off).
 ``--tiny`` uses a tiny shape and runs on CPU for smoke tests (targets printed as not applicable).
 Writes JSON (``--out``). Prints a table and the ratios.
 """
@@ -29,6 +39,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +47,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from sfcl.engine.graph_runner import DecodeGraphRunner  # noqa: E402
 from sfcl.engine.kv_cache import KVCache  # noqa: E402
-from sfcl.model.cuda_graph import DecodeGraphs  # noqa: E402
-from sfcl.model.llama import LlamaArgs, LlamaModel  # noqa: E402
+from sfcl.engine.model_runner import ModelRunner  # noqa: E402
+from sfcl.engine.request import SamplingParams  # noqa: E402
+from sfcl.engine.scheduler import SchedulerOutput, Sequence  # noqa: E402
+from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel  # noqa: E402
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32, n_heads=32,
                   n_kv_heads=8, head_dim=128)
@@ -114,19 +128,42 @@ def weight_bytes_read(m: LlamaModel) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters() if p is not emb or m.lm_head.weight is emb)
 
 
+def tap_layer(a: LlamaArgs) -> int:
+    return (3 * a.n_layers) // 4  # the default snapshot layer (sfcl.anchors.builder.default_layer)
+
+
+def eager_forward(model: LlamaModel, kv: KVCache, tap: int, ids: torch.Tensor, pos: torch.Tensor, S: int):
+    """The runner's eager decode branch: exact B and S, tap hidden state and attention weights."""
+    B = ids.shape[0]
+    mask = torch.arange(S, device=ids.device)[None, :] <= pos[:, None]  # (B, S)
+    batch = AttnBatch(is_prefill=False, slots=torch.arange(B, device=ids.device), positions=pos, kv_len=S,
+                      mask=mask.view(B, 1, 1, S), slot_range=(0, B))
+    return model(ids[:, None], batch, kv, tap).logits  # (B, V)
+
+
+def new_kv(a: LlamaArgs, dev, dtype, B: int, max_len: int) -> KVCache:
+    kv = KVCache(a, n_slots=B, max_len=max_len, dtype=dtype, device=str(dev))
+    for t in kv.k + kv.v:
+        t.zero_()  # these positions count as "already filled" (finite values; see graph_runner)
+    kv.hwm = [kv.max_len] * len(kv.hwm)
+    return kv
+
+
 def time_decode(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: int, steps: int, warmup: int,
                 graphs: bool) -> dict:
-    """ms per decode step at batch B after ``context`` positions, eager or CUDA-graph replay."""
-    kv = KVCache(a, n_slots=B, max_len=context + warmup + steps + 1, dtype=dtype, device=str(dev))
-    for t in kv.k + kv.v:
-        t.zero_()  # masked positions must be finite (see sfcl.model.cuda_graph)
-    runner = DecodeGraphs(model, kv, enabled=graphs, bucket=256)
+    """ms per decode forward at batch B after ``context`` positions, eager or CUDA-graph replay."""
+    kv = new_kv(a, dev, dtype, B, context + warmup + steps + 1)
+    tap = tap_layer(a)
+    g = DecodeGraphRunner(model, kv, tap, capture=True) if graphs else None
     ids = torch.randint(0, a.vocab_size, (B,), device=dev)
-    pos = torch.full((B,), context, dtype=torch.long, device=dev)
+    pos0 = torch.full((B,), context, dtype=torch.long, device=dev)
 
     def one(i: int):
         nonlocal ids
-        logits = runner.step(ids, pos + i, context + i + 1)
+        if g is not None:
+            logits = g.run(ids, [context + i] * B).logits
+        else:
+            logits = eager_forward(model, kv, tap, ids, pos0 + i, context + i + 1)
         ids = logits.argmax(-1)  # greedy on the device, no host sync
 
     for i in range(warmup):
@@ -138,8 +175,71 @@ def time_decode(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: in
     sync(dev)
     ms = (time.perf_counter() - t) * 1e3 / steps
     kv_read = B * (context + warmup + steps // 2) * kv.bytes_per_token
-    del kv, runner
-    return {"ms_per_step": ms, "kv_bytes_read": kv_read}
+    captured = g.graphs.captured if g is not None else []
+    if g is not None and g.graphs.failed:
+        print(f"graph capture failed: {g.graphs.failed}", file=sys.stderr)
+    return {"ms_per_step": ms, "kv_bytes_read": kv_read, "captured": captured}
+
+
+def random_snapshotter(a: LlamaArgs, dev, n: int, root: Path):
+    """A Snapshotter over a random ``n``-anchor library of the model's hidden size (search speed
+    does not depend on the vectors), with no entity classes and a neutral calibration."""
+    from sfcl.anchors.store import load_library, save_library
+    from sfcl.snapshot.snapshotter import Snapshotter
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.zeros(n, dtype=torch.int32)
+    path = save_library(root / "anchors", vectors=torch.randn(n, a.hidden_size, generator=g), counts=z + 1,
+                        weights=torch.ones(n), decay=torch.full((n,), 10.0),
+                        next_ids=torch.randint(0, a.vocab_size, (n, 8), generator=g), next_probs=torch.full((n, 8), 0.125),
+                        kinds=z.clone(), span_doc=z.clone(), span_start=z.clone(), span_end=z + 1,
+                        span_texts=["random"] * n, doc_ids=["random"], model_fingerprint="random",
+                        model_name="random-8b-shape", layer=tap_layer(a), build={"random": True},
+                        corpus_hash="random", calibration={"surprisal_mean": 5.0, "surprisal_std": 2.0,
+                                                           "dispersion_mean": 0.5, "dispersion_std": 0.1})
+    lib = load_library(path)
+    snap = Snapshotter(lib, torch.zeros(a.vocab_size, dtype=torch.uint8, device=dev))
+    if dev.type == "cuda":
+        snap.device_index(dev)
+    return snap
+
+
+def time_engine(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: int, steps: int, warmup: int,
+                graphs: bool, snap, mode: str) -> dict:
+    """ms per engine step (``ModelRunner.execute`` of a pure-decode plan of B rows; each step waits
+    for its one host transfer), eager or with graphs, snapshot mode ``mode``."""
+    kv = new_kv(a, dev, dtype, B, context + warmup + steps + 2)
+    tap = tap_layer(a)
+    g = DecodeGraphRunner(model, kv, tap, capture=True) if graphs else None
+    runner = ModelRunner(model, kv, tap, snap, str(dev), graphs=g, fused_lookup=dev.type == "cuda")
+    gen = torch.Generator().manual_seed(B)
+    seqs = []
+    for i in range(B):
+        s = Sequence(request_id=f"b{i}", prompt_ids=torch.randint(3, a.vocab_size, (context,), generator=gen).tolist(),
+                     params=SamplingParams(max_tokens=10**6, snapshot_mode=mode, ignore_eos=True))
+        s.slot, s.num_computed = i, context
+        runner.admit(s.request_id)
+        seqs.append(s)
+    plan = SchedulerOutput(moves=[], prefill=[], decode=seqs, finished=[])
+    lookups = 0
+
+    def one():
+        nonlocal lookups
+        out = runner.execute(plan)
+        lookups += out.lookups
+        for s in seqs:
+            s.output_ids.append(out.results[s.request_id].token_id)
+
+    for _ in range(warmup):
+        one()
+    sync(dev)
+    lookups = 0
+    t = time.perf_counter()
+    for _ in range(steps):
+        one()
+    ms = (time.perf_counter() - t) * 1e3 / steps
+    replays = g.graphs.replays if g is not None else 0
+    return {"ms_per_step": ms, "lookups_per_step": lookups / steps, "graph_replays": replays}
 
 
 def time_hf(hf, a: LlamaArgs, dev, B: int, context: int, steps: int) -> float:
@@ -184,14 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate()")
     ap.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay (eager only)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine-step timings (ModelRunner.execute)")
+    ap.add_argument("--anchors", type=int, default=32768, help="rows of the random anchor library of the engine step")
     ap.add_argument("--out", default="gpu_bench.json", help="JSON output file")
     a = ap.parse_args(argv)
     try:
         batches = [int(x) for x in a.batch.split(",") if x.strip()]
-        if not batches or min(batches) < 1 or min(a.steps, a.context) < 2 or a.warmup < 1:
+        if not batches or min(batches) < 1 or min(a.steps, a.context) < 2 or a.warmup < 1 or a.anchors < 1:
             raise ValueError
     except ValueError:
-        print("gpu_bench: error: --batch needs integers >= 1, --steps/--context >= 2, --warmup >= 1", file=sys.stderr)
+        print("gpu_bench: error: --batch needs integers >= 1, --steps/--context >= 2, --warmup/--anchors >= 1",
+              file=sys.stderr)
         return 2
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -221,6 +324,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {B}: eager {r['eager_ms']:.3f} ms, graph "
               f"{'n/a' if r['graph_ms'] is None else format(r['graph_ms'], '.3f') + ' ms'}, floor {r['floor_ms']:.3f} ms",
               file=sys.stderr)
+    if not a.no_engine:
+        with tempfile.TemporaryDirectory() as tmp:
+            snap = random_snapshotter(args, dev, min(a.anchors, 512) if a.tiny else a.anchors, Path(tmp))
+            for r in rows:
+                B = r["batch"]
+                run = lambda graphs, mode: time_engine(model, args, dev, dtype, B, a.context, a.steps, a.warmup,  # noqa: E731
+                                                       graphs, snap, mode)
+                r["engine_eager_ms"] = run(False, "off")["ms_per_step"]
+                g = run(True, "off") if graphs_ok else None
+                r["engine_graph_ms"] = g and g["ms_per_step"]
+                r["engine_graph_replays"] = g and g["graph_replays"]
+                al = run(graphs_ok, "always")
+                r["engine_always_ms"], r["engine_always_lookups_per_step"] = al["ms_per_step"], al["lookups_per_step"]
+                print(f"batch {B}: engine step eager {r['engine_eager_ms']:.3f} ms, graphs "
+                      f"{'n/a' if g is None else format(g['ms_per_step'], '.3f') + ' ms'}, "
+                      f"always-lookup {al['ms_per_step']:.3f} ms ({al['lookups_per_step']:.0f} lookups/step)",
+                      file=sys.stderr)
+            snap.lib.close()
+            del snap
     if not a.no_hf:
         del model
         if dev.type == "cuda":
@@ -236,10 +358,18 @@ def main(argv: list[str] | None = None) -> int:
         r["best_over_floor"] = best / r["floor_ms"]
         r["hf_over_best"] = (r["hf_ms"] / best) if r.get("hf_ms") else None
         r["graph_speedup"] = (r["eager_ms"] / r["graph_ms"]) if r["graph_ms"] else None
+        eng = r.get("engine_graph_ms") or r.get("engine_eager_ms")
+        r["engine_over_floor"] = eng / r["floor_ms"] if eng else None
+        r["hf_over_engine"] = (r["hf_ms"] / eng) if eng and r.get("hf_ms") else None
+        r["engine_graph_speedup"] = (r["engine_eager_ms"] / r["engine_graph_ms"]) if r.get("engine_graph_ms") else None
     applicable = dev.type == "cuda" and not a.tiny
     b1 = next((r for r in rows if r["batch"] == 1), None)
     targets = [check("batch-1 decode step / bandwidth floor", b1 and b1["best_over_floor"], "<=", 1.3, applicable),
                check("HF generate() step / ours, batch 1", b1 and b1["hf_over_best"], ">=", 10.0, applicable)]
+    if not a.no_engine:
+        targets += [check("batch-1 engine step / bandwidth floor", b1 and b1["engine_over_floor"], "<=", 1.3, applicable),
+                    check("HF generate() step / engine step, batch 1", b1 and b1["hf_over_engine"], ">=", 10.0,
+                          applicable)]
     hdr = "| batch | eager ms | graph ms | floor ms | best / floor | HF ms | HF / best | graph speed-up |"
     lines = [hdr, "|---|---|---|---|---|---|---|---|"]
     f = lambda x, nd=3: "—" if x is None else f"{x:.{nd}f}"  # noqa: E731
@@ -247,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['batch']} | {f(r['eager_ms'])} | {f(r['graph_ms'])} | {f(r['floor_ms'])} | "
                      f"{f(r['best_over_floor'], 2)} | {f(r.get('hf_ms'))} | {f(r['hf_over_best'], 1)} | "
                      f"{f(r['graph_speedup'], 2)} |")
+    if not a.no_engine:
+        lines += ["", "Engine step (ModelRunner.execute: forward + sampling + triggers + fused lookup + 1 host transfer):",
+                  "| batch | eager ms | graphs ms | graph speed-up | graphs / floor | HF / engine | always-lookup ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['batch']} | {f(r['engine_eager_ms'])} | {f(r['engine_graph_ms'])} | "
+                         f"{f(r['engine_graph_speedup'], 2)} | {f(r['engine_over_floor'], 2)} | "
+                         f"{f(r['hf_over_engine'], 1)} | {f(r['engine_always_ms'])} |")
     print("\n".join(lines))
     for t in targets:
         print(f"{t['mark']}: {t['name']} = {f(t['value'], 2)} (goal {t['op']} {t['threshold']:g})"

@@ -49,6 +49,8 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "while long prompts prefill, larger = faster prefill")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache storage: auto = model dtype; int8 = block-wise INT8 (0.54x memory, KIVI-style)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode eagerly instead of replaying captured CUDA graphs (CPU: always eager)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768,
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
@@ -83,7 +85,8 @@ def _configs(a):
                       priority_tags=_csv(a.priority_tags), metric_tags=_csv(a.metric_tags),
                       price_per_hour=a.price_per_hour, max_num_batched_tokens=a.max_num_batched_tokens,
                       kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
-                      prefix_cache_tokens=a.prefix_cache_tokens, compile=a.compile)
+                      prefix_cache_tokens=a.prefix_cache_tokens, compile=getattr(a, "compile", False),
+                      enforce_eager=getattr(a, "enforce_eager", False))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

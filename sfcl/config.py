@@ -38,6 +38,7 @@ class EngineConfig:
     block_size: int = 16  # KV block size in tokens (prefix cache, INT8 key scales)
     prefix_cache_tokens: int = 32768  # prefix-cache pool capacity in tokens (0: off)
     compile: bool = False  # torch.compile the decode-only step (sfcl.model.compiled); compiles at startup
+    enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:

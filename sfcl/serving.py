@@ -18,6 +18,7 @@ from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError, load_library
 from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
 from sfcl.engine.engine import LLMEngine
+from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
@@ -119,14 +120,19 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
+    cuda = torch.device(device).type == "cuda"
+    graphs = DecodeGraphRunner(lm.model, kv, layer, capture=True) if cuda and not ecfg.enforce_eager else None
     compiled = None
-    if ecfg.compile:
+    if ecfg.compile and graphs is None:  # on CUDA the captured graphs already remove the op overhead
         from sfcl.model.compiled import CompiledDecode
 
         compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
         anchor_log("compiling the decode step (torch.compile, once per process) ...")
         anchor_log(f"compiled in {compiled.warmup(layer):.0f} s")
-    runner = ModelRunner(lm.model, kv, layer, snap, device, compiled_decode=compiled)
+    runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
+                         compiled_decode=compiled)
+    if cuda and snap is not None:
+        snap.device_index(device)  # upload the search copy now, not in the first step
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
                                       max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags,
                                       max_num_batched_tokens=ecfg.max_num_batched_tokens,
@@ -147,9 +153,12 @@ def make_reloader(lm: LoadedModel, scfg: SnapshotConfig, device: str = "cpu"):
                            expect_model_name=lm.name)
         try:
             rules = load_rules(scfg.keyword_boost) if scfg.keyword_boost else None
-            return lib, Snapshotter(lib, table, top_k=scfg.top_k, keyword_boost=rules,
-                                    cfg=TriggerConfig.from_calibration(lib.calibration),
-                                    steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
+            snap = Snapshotter(lib, table, top_k=scfg.top_k, keyword_boost=rules,
+                               cfg=TriggerConfig.from_calibration(lib.calibration),
+                               steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
+            if torch.device(device).type == "cuda":
+                snap.device_index(device)  # fused lookup: upload the search copy before the swap
+            return lib, snap
         except ValueError as e:
             lib.close()
             raise AnchorLibraryError(f"anchor library {p}: {e}") from e

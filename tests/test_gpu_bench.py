@@ -1,6 +1,7 @@
 """scripts/gpu_bench.py on the CPU with --tiny (smoke: it runs end to end and writes its JSON), and
-sfcl.model.cuda_graph.DecodeGraphs' eager path against the model's own prefill. The CUDA-graph
-path itself is tested in tests/gpu/test_cuda.py (skipped without CUDA). No timing assertions."""
+the static-buffer decode (sfcl.engine.graph_runner.DecodeGraphRunner without capture) against the
+model's own prefill. The CUDA-graph path itself is tested in tests/gpu/test_cuda.py (skipped
+without CUDA). No timing assertions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from sfcl.engine.kv_cache import KVCache
-from sfcl.model.cuda_graph import DecodeGraphs
+from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.model.llama import AttnBatch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
@@ -29,15 +30,17 @@ def gb():
 def test_tiny_cpu_run_writes_json(gb, tmp_path, capsys):
     out = tmp_path / "g.json"
     rc = gb.main(["--tiny", "--device", "cpu", "--batch", "1,2", "--steps", "3", "--warmup", "1",
-                  "--context", "4", "--copy-mib", "8", "--out", str(out)])
+                  "--context", "4", "--copy-mib", "8", "--anchors", "64", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["shape"] == "tiny" and [r["batch"] for r in doc["rows"]] == [1, 2]
     for r in doc["rows"]:
         assert r["eager_ms"] > 0 and r["graph_ms"] is None and r["hf_ms"] > 0 and r["floor_ms"] > 0
         assert r["hf_over_best"] == pytest.approx(r["hf_ms"] / r["eager_ms"])
+        assert r["engine_eager_ms"] > 0 and r["engine_graph_ms"] is None and r["engine_always_ms"] > 0
+        assert r["engine_always_lookups_per_step"] == r["batch"]  # always mode: every row looked up
     assert doc["copy_bandwidth_bytes_per_s"] > 0 and doc["weight_bytes_read"] > 0
-    assert [t["mark"] for t in doc["targets"]] == ["n/a", "n/a"]  # not an 8B run on a GPU
+    assert [t["mark"] for t in doc["targets"]] == ["n/a"] * 4  # not an 8B run on a GPU
     assert "| 1 |" in capsys.readouterr().out
 
 
@@ -72,14 +75,16 @@ def test_decode_step_matches_prefill_of_the_longer_sequence(gb):
         t.zero_()
     for i, s in enumerate(seqs):
         prefill(model, kv, i, s)
-    dg = DecodeGraphs(model, kv, enabled=True)  # CPU: runs eagerly whatever was asked
-    assert not dg.enabled
-    got = dg.step(torch.tensor(nxt), torch.tensor([len(s) for s in seqs]), kv_len=max(len(s) for s in seqs) + 1)
+    dg = DecodeGraphRunner(model, kv, 1, capture=True)  # CPU: the static path, never a capture
+    assert not dg.capture
+    got = dg.run(nxt, [len(s) for s in seqs]).logits
     ref_kv = KVCache(a, n_slots=1, max_len=16, dtype=torch.float32)
     for i, s in enumerate(seqs):
         want = prefill(model, ref_kv, 0, s + [nxt[i]])
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+    again = dg.run(torch.tensor(nxt), [len(s) for s in seqs]).logits  # tokens as a device tensor
+    torch.testing.assert_close(again, got, rtol=1e-4, atol=1e-4)  # the step rewrote the same positions
     with pytest.raises(ValueError):
-        dg.step(torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]), 2)  # 3 rows, 2 slots
+        dg.run([1, 2, 3], [1, 1, 1])  # 3 rows, 2 slots
     with pytest.raises(ValueError):
-        dg.step(torch.tensor([1]), torch.tensor([20]), 21)  # past max_len
+        dg.run([1], [20])  # past max_len

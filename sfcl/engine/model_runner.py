@@ -17,6 +17,11 @@ runner re-samples the token from the kNN-LM mixture before it is emitted (the lo
 no extra forward, no extra transfer), rather than nudging the next position with stale evidence.
 Context anchors cost one copy of the prompt's snapshot-layer states to the CPU per prefill forward
 of a steering request (``ContextAnchors.add``; free on a CPU device, nothing for other requests).
+
+On CUDA (``sfcl.serving.make_llm_engine``): pure-decode steps run the decode forward from
+captured CUDA graphs (``sfcl.engine.graph_runner``; ``--enforce-eager`` turns that off), and the
+lookup is fused (``sfcl.engine.fused_lookup``): every row is searched on the device and the
+results ride in the step's one transfer, so a step waits on the device once, lookups or not.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sfcl.engine import fused_lookup
+from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.sampler import sample, steer_resample
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
@@ -60,7 +67,12 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, tap_layer: int,
                  snapshotter: Snapshotter | None = None, device: str = "cpu",
-                 context: ContextAnchors | None = None, compiled_decode=None):
+                 context: ContextAnchors | None = None, graphs: DecodeGraphRunner | None = None,
+                 fused_lookup: bool = False, compiled_decode=None):
+        """graphs: static-buffer (CUDA-graph) decode for pure-decode steps (None: eager).
+        fused_lookup: search every sampled row on the device and bring the results over in the
+        step's one transfer (``sfcl.engine.fused_lookup``; the default on CUDA).
+        compiled_decode: ``sfcl.model.compiled.CompiledDecode`` for pure-decode steps (``--compile``)."""
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
@@ -70,7 +82,12 @@ class ModelRunner:
         self.generators: dict[tuple[str, str], torch.Generator] = {}
         self.bindings: dict[str, Binding] = {}
         self.context = context if context is not None else ContextAnchors()  # prompt anchors (steering requests)
-        self.compiled_decode = compiled_decode  # sfcl.model.compiled.CompiledDecode for decode-only steps, or None
+        self.compiled_decode = compiled_decode
+        self.graphs, self.fused_lookup = graphs, fused_lookup
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Every device->host transfer of a step goes through here (a device sync on CUDA)."""
+        return t.cpu()
 
     def admit(self, request_id: str, prompt_text: str | None = None) -> Binding | None:
         """Bind a new request to the current library version (None without snapshots)."""
@@ -116,8 +133,11 @@ class ModelRunner:
         seqs: list[Sequence] = list(plan.decode)
         ids: list[int] = [s.last_token for s in plan.decode]
         positions: list[int] = [s.num_tokens - 1 for s in plan.decode]
-        decode = None
-        if plan.decode:
+        decode = graph_out = None
+        if plan.decode and self.graphs is not None and not plan.prefill:  # static buffers / CUDA graph
+            graph_out = self.graphs.run(ids, positions)
+            out.decode_batch = len(plan.decode)
+        elif plan.decode:
             B = len(plan.decode)
             pos = torch.tensor(positions, device=self.device)  # (B,)
             S = max(positions) + 1
@@ -145,7 +165,7 @@ class ModelRunner:
                 seqs.append(seq)
                 sample_index.append(len(ids) - 1)
                 n_valid.append(ch.end)
-        if ids:
+        if ids and graph_out is None:
             step = StepBatch(positions=torch.tensor(positions, device=self.device), decode=decode, chunks=chunks,
                              sample_index=torch.tensor(sample_index, dtype=torch.long, device=self.device),
                              keep_tap_states=bool(steer_chunks))
@@ -161,18 +181,10 @@ class ModelRunner:
             self.kv.save(w.slot, w.first_block, w.pool_blocks)
         if not seqs:
             return out
-        logits_t = so.logits  # (N, V) float32
-        hidden_t = so.tap_hidden  # (N, H)
-        probs = [p[:, :, -1] for p in so.tap_probs if p is not None]  # (B_part, nh, S_part) each
-        nv = torch.tensor(n_valid, device=self.device)
-        if len(probs) == 1:
-            disp_t = attention_dispersion(probs[0], nv)  # (N,)
-        else:  # parts attend different lengths: one call per part
-            disp_t, i = [], 0
-            for p in probs:
-                disp_t.append(attention_dispersion(p, nv[i:i + p.shape[0]]))
-                i += p.shape[0]
-            disp_t = torch.cat(disp_t)
+        if graph_out is not None:
+            logits_t, hidden_t, disp_t = graph_out.logits, graph_out.hidden, graph_out.dispersion
+        else:
+            logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, n_valid)
         tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                         [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
@@ -195,39 +207,66 @@ class ModelRunner:
         look = fired.any(1) | ((modes == MODE_ALWAYS) & has_snap)
         packed = torch.stack([tokens.double(), tok_logp.double(), ent.double(), disp_t.double(),
                               look.double()] + [fired[:, j].double() for j in range(3)], 1)  # (N, 8)
-        rows = packed.tolist()  # the step's one device->host transfer
+        fused = None
+        if self.fused_lookup:  # device search of every row, one transfer for everything
+            steer = [i for i, s in enumerate(seqs) if s.params.steer and binds[i] is not None
+                     and s.params.snapshot_mode != "off"]
+            fused = fused_lookup.transfer(self._to_host, packed, hidden_t, logits_t,
+                                          [snap for snap, _ in _groups(binds)], steer)
+            rows = fused.rows
+        else:
+            rows = self._to_host(packed).tolist()  # the step's one device->host transfer
         out.forward_ms = (time.perf_counter() - t0) * 1e3
         hits: dict[int, SnapshotHit] = {}
         look_rows = [i for i, r in enumerate(rows) if r[4] > 0.5]
         if look_rows:
-            hits = self._lookup(seqs, binds, look_rows, rows, hidden_t, logits_t, slots, out)
+            hits = self._lookup(seqs, binds, look_rows, rows, hidden_t, logits_t, slots, out, fused)
         for i, (seq, r) in enumerate(zip(seqs, rows)):
             out.results[seq.request_id] = SeqResult(token_id=int(r[0]), logprob=r[1], entropy=r[2],
                                                     dispersion=r[3], snapshot=hits.get(i))
         return out
 
+    def _dispersion(self, tap_probs: list, n_valid: list[int]) -> torch.Tensor:
+        """Attention dispersion (N,) of the sampled rows from the snapshot layer's weights, one
+        (B_part, nh, 1, S_part) tensor per part that samples (parts attend different lengths)."""
+        probs = [p[:, :, -1] for p in tap_probs if p is not None]  # (B_part, nh, S_part)
+        nv = torch.tensor(n_valid, device=self.device)
+        if len(probs) == 1:
+            return attention_dispersion(probs[0], nv)
+        out, i = [], 0
+        for p in probs:
+            out.append(attention_dispersion(p, nv[i:i + p.shape[0]]))
+            i += p.shape[0]
+        return torch.cat(out)
+
     def _lookup(self, seqs: list[Sequence], binds: list[Binding | None], look_rows: list[int], rows: list[list],
                 hidden_t: torch.Tensor, logits_t: torch.Tensor, slots: torch.Tensor,
-                out: RunnerOutput) -> dict[int, SnapshotHit]:
+                out: RunnerOutput, fused: fused_lookup.FusedTransfer | None = None) -> dict[int, SnapshotHit]:
         """Batched anchor search for the looked-up rows (one per library version) and, for rows
         that steer, the kNN-LM re-sample of their token. Updates ``rows`` in place for steered
-        rows (token id, model logprob of the new token)."""
+        rows (token id, model logprob of the new token). With ``fused`` the searches were done on
+        the device and everything needed came over in the step's one transfer."""
         steer_rows = [i for i in look_rows if seqs[i].params.steer]
-        sel = torch.tensor(look_rows, device=self.device)
-        h = hidden_t[sel].float()  # (n, H)
-        if steer_rows:  # one transfer carries both: hidden for the search, logits for the mixture
-            both = torch.cat([h, logits_t[sel].float()], 1).cpu()  # (n, H + V)
-            h_cpu, lg_cpu = both[:, :h.shape[1]], both[:, h.shape[1]:]
+        if fused is not None:
+            h_cpu, lg_cpu = fused.hidden_logits(look_rows)  # steering rows only (context search, mixture)
         else:
-            h_cpu, lg_cpu = h.cpu(), None
+            sel = torch.tensor(look_rows, device=self.device)
+            h = hidden_t[sel].float()  # (n, H)
+            if steer_rows:  # one transfer carries both: hidden for the search, logits for the mixture
+                both = self._to_host(torch.cat([h, logits_t[sel].float()], 1))  # (n, H + V)
+                h_cpu, lg_cpu = both[:, :h.shape[1]], both[:, h.shape[1]:]
+            else:
+                h_cpu, lg_cpu = self._to_host(h), None
         hits: dict[int, SnapshotHit] = {}
         pos = {i: j for j, i in enumerate(look_rows)}
         for snap, idx in _groups([binds[i] for i in look_rows]):
             rws = [look_rows[j] for j in idx]
             names = [[TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"] for i in rws]
-            got = snap.lookup(h_cpu[idx], boosts=[binds[i].boost for i in rws], context=self.context,
+            got = snap.lookup(h_cpu[idx] if h_cpu is not None else None, boosts=[binds[i].boost for i in rws],
+                              context=self.context,
                               context_ids=[seqs[i].request_id if seqs[i].params.steer else None for i in rws],
-                              triggers=names)
+                              triggers=names, found=fused.found_for(snap, rws) if fused is not None else None,
+                              search_ms=fused.search_ms[id(snap)] if fused is not None else 0.0)
             out.lookups += len(rws)
             out.lookup_ms += got[0].lookup_ms if got else 0.0
             hits.update(zip(rws, got))

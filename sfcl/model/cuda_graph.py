@@ -1,100 +1,112 @@
-"""CUDA-graph capture of the decode step, applied from outside the model, with an eager switch.
+"""CUDA-graph capture and replay of a function of static input buffers, one graph per shape key,
+applied from outside the model, with an eager switch.
 
 Why: at small batch a decode step is hundreds of tiny kernels; on a fast GPU the CPU cannot launch
 them as fast as the GPU runs them, so the step is launch-bound. Recording the step once as a
 ``torch.cuda.CUDAGraph`` and replaying it removes the per-kernel launch cost (the approach of
 vLLM's ``CUDAGraphRunner`` and gpt-fast's ``decode_one_token`` under ``torch.compile(mode=
-"reduce-overhead")``). The model code is not changed: this module calls ``LlamaModel.forward``
-with static tensors.
+"reduce-overhead")``). The model code is not changed: the caller's function calls
+``LlamaModel.forward`` on static tensors.
 
-A graph replays fixed shapes and fixed memory addresses, so:
-- inputs are copied into static buffers before each replay (ids, positions) and the output is a
-  static buffer overwritten by the next replay (consume or clone it first);
-- the attended KV length S is rounded up to a bucket (``bucket`` positions, capped at the cache's
-  ``max_len``) and one graph is captured per (batch size B, S bucket), lazily, sharing one memory
-  pool. The mask (position <= own position) is computed inside the graph from the positions, so
-  cache positions between a sequence's length and the bucket end are masked out. They must hold
-  finite values (a masked -inf score times a NaN value is still NaN): zero the cache once
-  (``KVCache`` uses ``torch.empty``);
-- decode runs over slots [0, B) (the scheduler's compaction keeps running sequences there).
-- Capturing writes K/V at the capture positions (the last position of the bucket), which is
-  either unused or overwritten by the real token before it is attended.
+A graph replays fixed shapes and fixed memory addresses, so each key (e.g. padded batch size and
+KV-length bucket) gets its own static input buffers, written in place before every run, and the
+outputs of a replay are static buffers that the next replay of the same key overwrites (copy what
+must outlive it). All graphs share one memory pool. Capture happens lazily on a key's first run,
+after ``warmup`` eager runs on a side stream (cuBLAS handles, allocator), with the static inputs
+at the values ``make_inputs`` gave them: those must be harmless to run (the engine's decode sends
+every row's KV write to the cache's scratch row then).
 
-``DecodeGraphs(model, kv, enabled=False)`` (or any non-CUDA device) runs the same step eagerly with
-the exact S, which is the reference the graph is tested against (tests/gpu/test_cuda.py).
+``GraphCache(device, capture=False)`` — or any non-CUDA device — runs exactly the same function on
+exactly the same static buffers, eagerly, every time. That is the path the CPU tests exercise
+(``tests/test_graph_runner.py``); capture itself is tested in ``tests/gpu/``.
+
+If a capture fails (an operation that cannot be captured, e.g. a hidden host sync), the cache logs
+a warning, remembers the error in ``failed`` and runs eagerly from then on: serving keeps working,
+only slower. Used by ``sfcl.engine.graph_runner.DecodeGraphRunner`` (engine thread only).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
 import torch
 
-from sfcl.model.llama import AttnBatch, LlamaModel
+log = logging.getLogger("sfcl.cuda_graph")
+
+Buffers = dict[str, torch.Tensor]
 
 
-class DecodeGraphs:
-    """Batched greedy-free decode step ``step(ids, positions, kv_len) -> logits``.
+@dataclass(slots=True)
+class _Entry:
+    inputs: Buffers  # static input buffers of this key (device tensors, written in place)
+    graph: "torch.cuda.CUDAGraph | None" = None  # None: run eagerly on the same buffers
+    outputs: Buffers | None = None  # the captured graph's output buffers
 
-    ids: (B,) int64 on the model's device, the last token of each sequence in slots [0, B).
-    positions: (B,) int64, the absolute position of each of those tokens.
-    kv_len: host int, max(positions) + 1 (the engine knows it without a device sync).
-    Returns logits (B, V) float32. With graphs on, this tensor is a static buffer that the next
-    ``step`` with the same (B, bucket) overwrites.
-    Raises ValueError when B exceeds the cache's slots or kv_len exceeds its ``max_len``.
+
+class GraphCache:
+    """Run ``fn(inputs) -> outputs`` per key on static buffers, captured as a CUDA graph when
+    enabled.
+
+    device: where the buffers live. capture: record graphs (ignored, i.e. False, off CUDA).
+    warmup: eager runs before a capture. max_graphs: keys captured at most; further keys run
+    eagerly on their static buffers (a cap on capture time and pool memory).
     """
 
-    def __init__(self, model: LlamaModel, kv, *, enabled: bool = True, bucket: int = 256, warmup: int = 2):
-        self.model, self.kv = model, kv
-        self.device = next(model.parameters()).device
-        self.enabled = bool(enabled) and self.device.type == "cuda"
-        self.bucket, self.warmup = max(1, bucket), warmup
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+    def __init__(self, device: str | torch.device, *, capture: bool = True, warmup: int = 2, max_graphs: int = 256):
+        self.device = torch.device(device)
+        self.capture = bool(capture) and self.device.type == "cuda"
+        self.warmup, self.max_graphs = max(1, int(warmup)), int(max_graphs)
+        self._entries: dict[Hashable, _Entry] = {}
         self._pool = None
+        self.failed: str | None = None  # error of a failed capture (then everything runs eagerly)
+        self.replays = 0  # runs served by a graph replay (for tests and stats)
+        self.eager_runs = 0  # runs executed eagerly on the static buffers
 
     @property
-    def captured(self) -> list[tuple[int, int]]:
-        """(B, S bucket) pairs captured so far."""
-        return sorted(self._graphs)
+    def captured(self) -> list[Hashable]:
+        """Keys with a captured graph, sorted."""
+        return sorted(k for k, e in self._entries.items() if e.graph is not None)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, S: int) -> torch.Tensor:
-        B = ids.shape[0]
-        mask = torch.arange(S, device=ids.device)[None, :] <= positions[:, None]  # (B, S)
-        batch = AttnBatch(is_prefill=False, slots=torch.arange(B, device=ids.device), positions=positions,
-                          kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B))
-        return self.model(ids[:, None], batch, self.kv, tap_layer=-1, want_probs=False).logits  # (B, V)
+    def run(self, key: Hashable, make_inputs: Callable[[], Buffers], fill: Callable[[Buffers], None],
+            fn: Callable[[Buffers], Buffers]) -> tuple[Buffers, bool]:
+        """Fill ``key``'s static inputs (``fill`` writes them in place) and run ``fn`` on them.
 
-    def _check(self, B: int, kv_len: int) -> None:
-        if not 1 <= B <= self.kv.n_slots:
-            raise ValueError(f"batch {B} outside 1..{self.kv.n_slots} cache slots")
-        if not 1 <= kv_len <= self.kv.max_len:
-            raise ValueError(f"kv_len {kv_len} outside 1..{self.kv.max_len}")
+        make_inputs: builds the static input buffers of a new key, at harmless values (they are
+        what warm-up and capture run on). Returns (outputs, replayed): with ``replayed`` True the
+        outputs are the graph's static buffers, valid until the next run of the same key.
+        """
+        e = self._entries.get(key)
+        if e is None:
+            e = self._entries[key] = _Entry(inputs=make_inputs())
+            if self.capture and sum(x.graph is not None for x in self._entries.values()) < self.max_graphs:
+                self._capture(e, fn)
+        fill(e.inputs)
+        if e.graph is not None:
+            e.graph.replay()
+            self.replays += 1
+            return e.outputs, True
+        self.eager_runs += 1
+        return fn(e.inputs), False
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        B = ids.shape[0]
-        self._check(B, kv_len)
-        if not self.enabled:
-            return self._forward(ids, positions, kv_len)
-        S = min(self.kv.max_len, -(-kv_len // self.bucket) * self.bucket)
-        key = (B, S)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(B, S)
-        graph, st = self._graphs[key]
-        st["ids"].copy_(ids)
-        st["positions"].copy_(positions)
-        graph.replay()
-        return st["logits"]
-
-    def _capture(self, B: int, S: int):
-        st = {"ids": torch.zeros(B, dtype=torch.long, device=self.device),
-              "positions": torch.full((B,), S - 1, dtype=torch.long, device=self.device)}
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS handles, allocator)
-            for _ in range(self.warmup):
-                self._forward(st["ids"], st["positions"], S)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            st["logits"] = self._forward(st["ids"], st["positions"], S)
-        if self._pool is None:
-            self._pool = graph.pool()
-        return graph, st
+    def _capture(self, e: _Entry, fn: Callable[[Buffers], Buffers]) -> None:
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS handles, allocator)
+                for _ in range(self.warmup):
+                    fn(e.inputs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA work during a capture (an anchor reload uploading
+            # its device index from an HTTP worker) must not invalidate it, nor fail itself
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = fn(e.inputs)
+            if self._pool is None:
+                self._pool = graph.pool()
+            e.graph, e.outputs = graph, out
+        except Exception as err:  # noqa: BLE001 - any capture failure: degrade to eager, keep serving
+            self.failed = f"{type(err).__name__}: {err}"
+            self.capture = False
+            log.warning("CUDA-graph capture failed, decode runs eagerly from now on: %s", self.failed)

@@ -14,13 +14,16 @@ also search their own prompt (``sfcl.snapshot.context``), and keyword-boost rule
 (``sfcl.snapshot.boost``) scale the confidence of matching anchor kinds.
 
 The anchor library is CPU-resident and memory-mapped (``sfcl.anchors.store``); the search copy
-is bfloat16 with exact float32 re-scoring (about 1.2 ms for 32,768 x 576 on 2 cores).
+is bfloat16 with exact float32 re-scoring (about 1.2 ms for 32,768 x 576 on 2 cores). On a GPU the
+runner's fused lookup searches a device copy instead (``device_index``,
+``sfcl.snapshot.device_search``) and hands ``lookup`` the results (``found``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +34,9 @@ from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.steering import SteerConfig, SteerInfo
 from sfcl.snapshot.triggers import (TRIGGER_NAMES, Calibration, TriggerConfig,
                                     dispersion_trigger, entity_low_confidence, surprisal_trigger)
+
+if TYPE_CHECKING:
+    from sfcl.snapshot.device_search import DeviceAnchorIndex
 
 MODE_OFF, MODE_TRIGGERED, MODE_ALWAYS = 0, 1, 2
 MODE_CODES = {"off": MODE_OFF, "triggered": MODE_TRIGGERED, "always": MODE_ALWAYS}
@@ -171,20 +177,43 @@ class Snapshotter:
         (tokens (n,) int64, slots (n,) int64, on the state's device)."""
         state.ent[slots] = entity.entity_flags(self.class_table[tokens], state.ent_prev[slots])
 
-    def lookup(self, hidden: torch.Tensor, boosts: list[dict[str, float]] | None = None,
+    def device_index(self, device: str | torch.device) -> "DeviceAnchorIndex":
+        """This library's search index on ``device`` for the fused lookup (built on first use,
+        then cached on this Snapshotter, so it goes away with the library version)."""
+        from sfcl.snapshot.device_search import DeviceAnchorIndex
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one copy
+            dev = torch.device("cuda", torch.cuda.current_device())
+        cache = self.__dict__.setdefault("_device_indexes", {})  # not in __init__: built only when fused
+        di = cache.get(dev)
+        if di is None:
+            di = cache[dev] = DeviceAnchorIndex(self.index, self.weights, self.decay, dev)
+        return di
+
+    def lookup(self, hidden: torch.Tensor | None, boosts: list[dict[str, float]] | None = None,
                context: ContextAnchors | None = None, context_ids: list[str | None] | None = None,
-               triggers: list[list[str]] | None = None) -> list[SnapshotHit]:
+               triggers: list[list[str]] | None = None,
+               found: tuple[list[list[float]], list[list[int]], list[list[float]]] | None = None,
+               search_ms: float = 0.0) -> list[SnapshotHit]:
         """Top-k anchors for each row of hidden (n, H) in one batched library search.
 
         boosts: per row, keyword-boost multiplier per kind. context / context_ids: per row, the
         request id whose prompt anchors are searched too (None: library only); the k best of both
         sets are kept. triggers: per row, the trigger names for the hit. Returns n hits.
+        found: the library search already done elsewhere (the fused lookup searched on the
+        device): per row, (scores, anchor ids, confidences) host lists of ``DeviceAnchorIndex``;
+        hidden is then read only for rows with a context id (and may be None when none has one).
+        search_ms: time of that search, added to each hit's ``lookup_ms``.
         """
         t0 = time.perf_counter()
-        n = hidden.shape[0]
-        scores, ids = self.index.search(hidden, k=self.top_k)  # (n, k) f32, (n, k) i64
-        conf = anchor_confidence_each(scores, self.weights[ids], self.decay[ids])  # (n, k)
-        s_l, i_l, c_l = scores.tolist(), ids.tolist(), conf.tolist()
+        if found is None:
+            scores, ids = self.index.search(hidden, k=self.top_k)  # (n, k) f32, (n, k) i64
+            conf = anchor_confidence_each(scores, self.weights[ids], self.decay[ids])  # (n, k)
+            s_l, i_l, c_l = scores.tolist(), ids.tolist(), conf.tolist()
+        else:
+            s_l, i_l, c_l = found
+        n = len(s_l)
         hits = []
         for r in range(n):
             ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], self.lib.kind_name(i_l[r][j]), -1)
@@ -208,7 +237,7 @@ class Snapshotter:
                 confidence=boosted_confidence([e[3] for e in ent], [e[4] for e in ent], mult),
                 lookup_ms=0.0, context=[e[2] for e in ent], kinds=[e[4] for e in ent],
                 next_ids=[e[5] for e in ent], library_version=self.version))
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3 + search_ms
         for h in hits:
             h.lookup_ms = ms
         return hits
