@@ -112,7 +112,7 @@ class ModelRunner:
             self.kv.restore(r.slot, r.first_block, r.pool_blocks)
             out.restored_tokens += len(r.pool_blocks) * self.kv.block_size
         seqs: list[Sequence] = []
-        logits, hidden, disp = [], [], []
+        logits, hidden, disp, natt = [], [], [], []  # natt: attended positions per row
         if plan.decode:
             B = len(plan.decode)
             ids = torch.tensor([[s.last_token] for s in plan.decode], device=self.device)  # (B, 1)
@@ -127,6 +127,7 @@ class ModelRunner:
             logits.append(fo.logits)  # (B, V)
             hidden.append(fo.tap_hidden[:, -1])  # (B, H)
             disp.append(attention_dispersion(fo.tap_probs[:, :, -1], pos + 1))
+            natt.append(pos + 1)
             out.decode_batch = B
         for ch in plan.prefill:
             seq = ch.seq
@@ -144,7 +145,8 @@ class ModelRunner:
             seqs.append(seq)
             logits.append(fo.logits)  # (1, V)
             hidden.append(fo.tap_hidden[:, -1])  # (1, H)
-            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], torch.tensor([ch.end], device=self.device)))
+            natt.append(torch.tensor([ch.end], device=self.device))
+            disp.append(attention_dispersion(fo.tap_probs[:, :, -1], natt[-1]))
         for w in plan.saves:
             self.kv.save(w.slot, w.first_block, w.pool_blocks)
         if not seqs:
@@ -152,6 +154,7 @@ class ModelRunner:
         logits_t = torch.cat(logits)  # (N, V) float32
         hidden_t = torch.cat(hidden)  # (N, H)
         disp_t = torch.cat(disp)  # (N,)
+        natt_t = torch.cat(natt)  # (N,) int64
         tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                         [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
@@ -164,11 +167,11 @@ class ModelRunner:
         binds = [self.binding(s) for s in seqs]
         for snap, idx in _groups(binds):  # one group per library version (one, except after a reload)
             if len(idx) == len(seqs):
-                fired = snap.triggers(tokens, tok_logp, disp_t, slots, self.state)  # (N, 3)
+                fired = snap.triggers(tokens, tok_logp, disp_t, slots, self.state, natt_t)  # (N, 3)
                 has_snap[:] = True
             else:
                 ix = torch.tensor(idx, device=self.device)
-                fired[ix] = snap.triggers(tokens[ix], tok_logp[ix], disp_t[ix], slots[ix], self.state)
+                fired[ix] = snap.triggers(tokens[ix], tok_logp[ix], disp_t[ix], slots[ix], self.state, natt_t[ix])
                 has_snap[ix] = True
         fired = fired & (modes != MODE_OFF)[:, None]
         look = fired.any(1) | ((modes == MODE_ALWAYS) & has_snap)
