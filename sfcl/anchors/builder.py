@@ -234,8 +234,19 @@ def _spread(col: _Collected, counts: torch.Tensor, mean_sim: torch.Tensor, seed:
 
 
 def _paragraphs(text: str) -> list[str]:
+    """Paragraphs of 200-900 characters (whitespace collapsed): blank-line separated ones, or, for
+    text without blank lines (ContractNLI), consecutive lines joined until 200 characters."""
     parts = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
-    return [p for p in parts if 200 <= len(p) <= 900 and not p.startswith("#")]
+    good = [p for p in parts if 200 <= len(p) <= 900 and not p.startswith("#")]
+    if good:
+        return good
+    out, cur = [], ""
+    for line in text.splitlines():
+        cur = f"{cur} {' '.join(line.split())}".strip()
+        if len(cur) >= 200:
+            out.append(cur[:900])
+            cur = ""
+    return out
 
 
 def calibration_prompts(lm, docs: list[Document], cfg: BuildConfig) -> list[list[int]]:
