@@ -131,7 +131,8 @@ def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_p
     assert (cfg.entity_prob_threshold, cfg.dispersion_z, cfg.surprisal_z) == (
         res.thresholds["entity_prob_threshold"], res.thresholds["dispersion_z"], res.thresholds["surprisal_z"])
     plain = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=1, max_model_len=64))
-    assert plain.runner.snapshotter.cfg == TriggerConfig()
+    # the builder's serving calibration set thresholds of its own (``sfcl.anchors.builder``)
+    assert plain.runner.snapshotter.cfg == TriggerConfig.from_calibration(nda_library.calibration) != TriggerConfig()
 
 
 def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
