@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.anchors.builder import BuildConfig, build_library
+from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
 from sfcl.anchors.store import AnchorLibraryError, load_library
+from sfcl.snapshot.triggers import Calibration, TriggerConfig
 
 from conftest import contractnli_docs
 
@@ -34,11 +35,12 @@ def test_library_from_ndas(nda_library, lm):
 
 def test_same_seed_same_library_and_model_binding(lm, tmp_path):
     docs = contractnli_docs(1)
-    cfg = BuildConfig(n_anchors=64, seed=3, max_points=400, window_tokens=256)
+    cfg = BuildConfig(n_anchors=64, seed=3, max_points=400, window_tokens=256, calibration_prompts=0)
     a = load_library(build_library(lm, docs, tmp_path / "a", cfg, progress=False))
     b = load_library(build_library(lm, docs, tmp_path / "b", cfg, progress=False))
     c = load_library(build_library(lm, docs, tmp_path / "c", BuildConfig(n_anchors=64, seed=4, max_points=400,
-                                                                        window_tokens=256), progress=False))
+                                                                        window_tokens=256, calibration_prompts=0),
+                                                        progress=False))
     assert a.n_anchors == b.n_anchors and torch.equal(a.vectors, b.vectors) and a.span_texts == b.span_texts
     assert not (a.n_anchors == c.n_anchors and torch.equal(a.vectors, c.vectors))
     with pytest.raises(AnchorLibraryError, match="fingerprint"):
@@ -46,3 +48,26 @@ def test_same_seed_same_library_and_model_binding(lm, tmp_path):
     with pytest.raises(AnchorLibraryError):
         load_library(tmp_path / "a", expect_hidden_size=1024)
     assert np.isfinite(a.decay.numpy()).all() and (a.decay.numpy() > 0).all()
+
+
+def test_serving_calibration_in_the_manifest(lm, tmp_path):
+    docs = contractnli_docs(2)
+    cfg = BuildConfig(n_anchors=64, max_points=300, window_tokens=256, calibration_prompts=6, calibration_tokens=12,
+                      calibration_long_tokens=200)
+    prompts = calibration_prompts(lm, docs, cfg)
+    assert len(prompts) == 6 and max(map(len, prompts)) > 200 and min(map(len, prompts)) < 300
+    c = load_library(build_library(lm, docs, tmp_path / "a", cfg, progress=False)).calibration
+    cal = Calibration.from_dict(c)
+    tab = c["dispersion_by_length"]
+    assert cal.by_length and "greedy answers" in tab["source"] and sum(tab["count"]) > 6 * 4
+    assert all(0 < m < 1 for m in tab["mean"]) and c["format"] == 2
+    thr = TriggerConfig.from_calibration(c)  # thresholds the server will use
+    assert thr != TriggerConfig() and c["threshold_calibration"]["target_rate"] == cfg.calibration_target
+    assert abs(c["threshold_calibration"]["achieved_rate"] - cfg.calibration_target) < 0.05
+    # no serving calibration: the length table comes from the corpus positions, thresholds stay default
+    c0 = load_library(build_library(lm, docs, tmp_path / "b", BuildConfig(n_anchors=64, max_points=300,
+                                    window_tokens=256, calibration_prompts=0), progress=False)).calibration
+    assert "thresholds" not in c0 and c0["dispersion_by_length"]["source"] == "teacher-forced corpus positions"
+    assert library_cache_name("f" * 16, "c" * 16, 22, 64).endswith("-c2")  # old cached defaults get rebuilt
+    with pytest.raises(ValueError):
+        BuildConfig(calibration_target=1.5)

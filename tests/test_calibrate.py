@@ -131,7 +131,8 @@ def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_p
     assert (cfg.entity_prob_threshold, cfg.dispersion_z, cfg.surprisal_z) == (
         res.thresholds["entity_prob_threshold"], res.thresholds["dispersion_z"], res.thresholds["surprisal_z"])
     plain = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=1, max_model_len=64))
-    assert plain.runner.snapshotter.cfg == TriggerConfig()
+    # the builder's serving calibration set thresholds of its own (``sfcl.anchors.builder``)
+    assert plain.runner.snapshotter.cfg == TriggerConfig.from_calibration(nda_library.calibration) != TriggerConfig()
 
 
 def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
@@ -154,3 +155,38 @@ def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
     assert (out / "calibration.png").is_file()
     assert main(["anchors", "calibrate", str(nda_library.path), "x.json", "--out", str(out)]) == 2  # exists
     assert "already exists" in capsys.readouterr().err
+
+
+def test_signals_carry_the_attended_length_and_fire_per_length():
+    table = np.zeros(4, np.uint8)
+    sig = signals_from_tokens([0, 0, 0, 0], [-0.1] * 4, [0.5, 0.5, 0.5, 0.5], table, prompt_len=100)
+    assert sig.n_attended.tolist() == [100, 101, 102, 103]
+    assert np.isnan(signals_from_tokens([0], [-0.1], [0.5], table).n_attended).all()  # unknown length
+    # D3 = 0.5 everywhere: above the short-context statistics' 1.2 sd only at the long context
+    tab = {"log2_n": [5.0, 11.0], "mean": [0.6, 0.4], "std": [0.05, 0.05]}
+    cal = Calibration.from_dict({"surprisal_mean": 2.0, "surprisal_std": 1.5, "dispersion_mean": 0.5,
+                                 "dispersion_std": 0.1, "dispersion_by_length": tab})
+    s = TokenSignals([0.1] * 3, [0.5] * 3, [False] * 3, [32, 2048, float("nan")])
+    thr = {"entity_prob_threshold": 0.85, "dispersion_z": 1.2, "surprisal_z": 2.0}
+    assert fire_masks(s, cal, thr)[:, 1].tolist() == [False, True, False]  # NaN length: flat z = 0
+    assert s.dispersion_z(cal) == pytest.approx([-2.0, 2.0, 0.0])
+    with pytest.raises(ValueError, match="n_attended"):
+        TokenSignals([0.1], [0.5], [False], [1.0, 2.0])
+
+
+def test_write_library_stores_the_length_table(tmp_path):
+    src = tmp_path / "lib"
+    src.mkdir()
+    base = {"surprisal_mean": 2.0, "surprisal_std": 1.5, "dispersion_mean": 0.5, "dispersion_std": 0.1}
+    (src / "manifest.json").write_text(json.dumps({"calibration": base}))
+    sig = synthetic(4000)
+    sig.n_attended = np.full(sig.n, 300.0)
+    from sfcl.snapshot.triggers import dispersion_length_table
+    tab = dispersion_length_table(sig.d3, sig.n_attended, source="test")
+    res = calibrate_thresholds(sig, Calibration.from_dict({**base, "dispersion_by_length": tab}), 1 / 16)
+    out = write_library(src, tmp_path / "new", res, ["c"], {}, tab)
+    c = json.loads((out / "manifest.json").read_text())["calibration"]
+    cal = Calibration.from_dict(c)
+    assert cal.by_length and c["dispersion_by_length"]["source"] == "test"
+    assert cal.dispersion_means[0] == pytest.approx(np.nanmean(sig.d3))
+    assert abs(trigger_shares(sig, cal, c["thresholds"])["union"] - 1 / 16) < 0.005

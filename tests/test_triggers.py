@@ -1,13 +1,16 @@
 """Trigger functions and entity-token detection."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from sfcl.snapshot import entity
 from sfcl.snapshot.triggers import (Calibration, TriggerConfig, anchor_confidence, attention_dispersion,
-                                    dispersion_trigger, entity_low_confidence, surprisal_trigger, token_entropy)
+                                    dispersion_length_table, dispersion_trigger, entity_low_confidence, surprisal_trigger,
+                                    token_entropy)
 
 CAL = Calibration(surprisal_mean=2.5, surprisal_std=2.0, dispersion_mean=0.3, dispersion_std=0.1)
 
@@ -94,3 +97,108 @@ def test_entity_span_rules():
     assert walk([" under", " Clause", " 7", "(", "b", ")", " of"]) == [False, True, True, True, True, True, False]
     # a lone "(" outside an entity is not an entity
     assert walk([" see", " (", "a", ")"]) == [False, False, False, False]
+
+
+# -- dispersion statistics per attended length ---------------------------------------------------
+
+def _rows(n: int, rows: int, gen: torch.Generator, k: int = 8) -> torch.Tensor:
+    """Synthetic attention rows over n positions: a random share w in (0.8, 0.95) on k favoured
+    positions, the rest spread with noise. Their normalised entropy falls with n (about
+    (w log(k/w) + (1-w) log(n/(1-w))) / log n), as the real model's does."""
+    w = 0.8 + 0.15 * torch.rand(rows, 2, 1, generator=gen)
+    rest = torch.rand(rows, 2, n, generator=gen)
+    p = (1 - w) * rest / rest.sum(-1, keepdim=True)
+    fav = torch.randperm(n, generator=gen)[:k]
+    p[:, :, fav] += w / k
+    return p
+
+
+def _dispersion_sample(lengths, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    d, ns = [], []
+    for n in lengths:
+        d.append(attention_dispersion(_rows(n, 4, gen), torch.full((4,), n)))
+        ns.append(torch.full((4,), n))
+    return torch.cat(d), torch.cat(ns)
+
+
+def test_length_table_round_trip_and_interpolation():
+    rng = np.random.default_rng(0)
+    n = np.floor(2 ** rng.uniform(4, 12, 5000)).astype(np.int64)  # log-uniform 16 .. 4095
+    d3 = 0.9 - 0.06 * np.log2(n) + rng.normal(0, 0.02, n.size)
+    tab = dispersion_length_table(d3, n, min_count=64, source="synthetic")
+    assert tab["source"] == "synthetic" and len(tab["log2_n"]) == 8  # buckets [16, 32) .. [2048, 4096)
+    assert all(c >= 64 for c in tab["count"]) and tab["log2_n"] == sorted(tab["log2_n"])
+    flat = {"surprisal_mean": 2.0, "surprisal_std": 1.0, "dispersion_mean": float(d3.mean()),
+            "dispersion_std": float(d3.std())}
+    cal = Calibration.from_dict(json.loads(json.dumps({**flat, "dispersion_by_length": tab})))  # manifest round trip
+    assert cal.by_length and cal.dispersion_means == tuple(tab["mean"])
+    # at a bucket centre: that bucket's statistics; between centres: linear in log2 n; flat outside
+    x = torch.tensor(tab["log2_n"])
+    n_c = (2 ** x).round().long()
+    mu, sd = cal.dispersion_stats(n_c, torch.zeros(len(n_c)))
+    assert torch.allclose(mu, torch.tensor(tab["mean"], dtype=torch.float32), atol=2e-3)
+    mid = torch.tensor([2 ** ((tab["log2_n"][2] + tab["log2_n"][3]) / 2)])
+    mu_mid, _ = cal.dispersion_stats(mid.round().long(), torch.zeros(1))
+    assert mu_mid.item() == pytest.approx((tab["mean"][2] + tab["mean"][3]) / 2, abs=3e-3)
+    lo, _ = cal.dispersion_stats(torch.tensor([2, 100000]), torch.zeros(2))
+    assert lo.tolist() == pytest.approx([tab["mean"][0], tab["mean"][-1]], abs=1e-6)
+    # the numpy twin (used by `sfcl anchors calibrate`) agrees with the device version
+    q = torch.tensor([3, 17, 40, 300, 1500, 9000])
+    mu_t, sd_t = cal.dispersion_stats(q, torch.zeros(len(q)))
+    mu_n, sd_n = cal.dispersion_stats_np(q.numpy())
+    assert np.allclose(mu_t.numpy(), mu_n, atol=1e-5) and np.allclose(sd_t.numpy(), sd_n, atol=1e-5)
+    # with the table the trigger reads the length: the same D3 fires at a long context only
+    d = torch.tensor([tab["mean"][0], tab["mean"][0]])
+    assert dispersion_trigger(d, cal, 1.2, torch.tensor([20, 2000])).tolist() == [False, True]
+
+
+def test_old_flat_calibration_still_loads_and_behaves_as_before():
+    old = {"surprisal_mean": 2.5, "surprisal_std": 2.0, "dispersion_mean": 0.3, "dispersion_std": 0.1,
+           "n_positions": 100, "share_surprisal_z2": 0.05}  # manifest of a library built before the table
+    cal = Calibration.from_dict(old)
+    assert not cal.by_length and cal == CAL
+    d3 = torch.tensor([0.3, 0.41, 0.43, 0.0])
+    n = torch.tensor([20, 200, 2000, 5000])
+    assert dispersion_trigger(d3, cal, 1.2, n).tolist() == dispersion_trigger(d3, cal).tolist() == \
+        [False, False, True, False]
+    mu, sd = cal.dispersion_stats_np(np.array([5, 5000]))
+    assert mu.tolist() == [0.3, 0.3] and sd.tolist() == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("table", [
+    {"log2_n": [4, 5], "mean": [0.3], "std": [0.1]},  # unequal lengths
+    {"log2_n": [5, 4], "mean": [0.3, 0.3], "std": [0.1, 0.1]},  # not ascending
+    {"log2_n": [4, 5], "mean": [0.3, 0.3], "std": [0.1, 0.0]},  # zero std
+    {"log2_n": [4], "mean": [0.3]},  # std missing
+    {"log2_n": [4], "mean": ["x"], "std": [0.1]},
+    [1, 2, 3],
+])
+def test_malformed_length_table_is_rejected(table):
+    with pytest.raises(ValueError, match="dispersion_by_length"):
+        Calibration.from_dict({"surprisal_mean": 2.5, "surprisal_std": 2.0, "dispersion_mean": 0.3,
+                               "dispersion_std": 0.1, "dispersion_by_length": table})
+
+
+def test_length_table_needs_enough_values():
+    with pytest.raises(ValueError, match="bucket"):
+        dispersion_length_table(np.full(10, 0.3), np.full(10, 100), min_count=64)
+
+
+def test_short_context_trigger_rate_is_not_pathological():
+    """Calibration on mostly long contexts (as a corpus pass is), serving on short ones (as chat
+    prompts are): flat statistics fire on most short-context tokens, per-length ones do not."""
+    gen = torch.Generator().manual_seed(0)
+    cal_lengths = [int(2 ** (4 + 8 * i / 399)) for i in range(400)]  # 16 .. 4096, log-uniform
+    cal_lengths += [int(x) for x in torch.randint(512, 4096, (400,), generator=gen)]  # long-heavy, like a corpus
+    d_cal, n_cal = _dispersion_sample(cal_lengths, gen)
+    flat = Calibration(surprisal_mean=2.5, surprisal_std=2.0, dispersion_mean=float(d_cal.mean()),
+                       dispersion_std=float(d_cal.std()))
+    table = dispersion_length_table(d_cal.numpy(), n_cal.numpy(), min_count=32)
+    per_len = Calibration.from_dict({"surprisal_mean": 2.5, "surprisal_std": 2.0, "dispersion_mean": flat.dispersion_mean,
+                                     "dispersion_std": flat.dispersion_std, "dispersion_by_length": table})
+    short = [int(x) for x in torch.randint(40, 160, (150,), generator=gen)]
+    d, n = _dispersion_sample(short, gen)
+    rate_flat = dispersion_trigger(d, flat, 1.2, n).float().mean().item()
+    rate_len = dispersion_trigger(d, per_len, 1.2, n).float().mean().item()
+    assert rate_flat > 0.25  # the failure mode this guards against (real chat prompts: 0.31)
+    assert rate_len < 0.15  # about the one-sided tail beyond 1.2 sd (~0.12 for a normal)

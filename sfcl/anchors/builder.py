@@ -10,11 +10,25 @@ there are fewer points than N; spherical k-means otherwise), and
 writes an immutable library with ``sfcl.anchors.store.save_library``. The calibration statistics
 of the trigger signals (surprisal and 3-token dispersion mean/std, and the share of corpus tokens
 each trigger would fire on) go into the manifest. Same corpus, model and seed -> same library.
+
+Serving calibration (``BuildConfig.calibration_prompts`` > 0, the default): normalised attention
+entropy depends on the attended length and on the prompt format (chat template, generated vs
+teacher-forced text), so statistics of corpus text do not describe what the triggers see when
+serving (on SmolLM2-135M, short chat prompts fired the dispersion trigger on ~31% of tokens with
+flat corpus statistics). The builder therefore also answers a few chat-format prompts made from
+the corpus greedily (short ones: an instruction + one paragraph; long ones: a whole document, up
+to ``calibration_long_tokens``, + a question) and from those generated tokens stores D3 statistics
+per attended-length bucket (``calibration.dispersion_by_length``, ``sfcl.snapshot.triggers``) and
+thresholds for a target share of triggering tokens (``calibration.thresholds``, the rule of
+``sfcl anchors calibrate``: ``sfcl.eval.calibrate.calibrate_thresholds``). With
+``calibration_prompts=0`` the length table comes from the corpus positions and the source
+design's default thresholds stay.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,10 +40,19 @@ from sfcl.anchors.corpus import Document, corpus_hash
 from sfcl.anchors.store import save_library
 from sfcl.engine.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
-from sfcl.snapshot.triggers import LN2, attention_dispersion
+from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_table
 
 log = logging.getLogger("sfcl.anchors")
 SKIP_POSITIONS = 16  # first positions of a window have too little context to calibrate on
+CALIBRATION_FORMAT = 2  # 2: per-length dispersion table + serving thresholds (part of the default library's cache name)
+# Instructions of the serving-calibration prompts (generic; not the benchmark's instructions).
+CALIBRATION_INSTRUCTIONS = (
+    "What does this passage say? Answer in a few sentences:",
+    "List the main points of the following text:",
+    "Who has to do what according to this text?",
+    "Describe this passage to a colleague who has not read it:",
+)
+CALIBRATION_QUESTION = "Question: What are the main obligations and deadlines in this document? Answer briefly."
 
 
 def default_layer(n_layers: int) -> int:
@@ -49,6 +72,10 @@ class BuildConfig:
     span_tokens: int = 12  # tokens of left context in an anchor's representative span
     max_points: int | None = None  # cap on collected positions (None = all)
     kmeans_iters: int = 10  # spherical k-means iterations when clustering is needed
+    calibration_prompts: int = 24  # serving-calibration prompts (0: corpus statistics only)
+    calibration_tokens: int = 48  # greedy tokens generated per calibration prompt
+    calibration_long_tokens: int = 1536  # document tokens at most in a long calibration prompt
+    calibration_target: float = 1.0 / 16.0  # share of calibration tokens the thresholds fire on
 
     def __post_init__(self) -> None:
         if self.n_anchors < 1:
@@ -57,6 +84,10 @@ class BuildConfig:
             raise ValueError(f"window_tokens must be >= {SKIP_POSITIONS + 2}")
         if self.top_k_next < 1:
             raise ValueError("top_k_next must be >= 1")
+        if self.calibration_prompts < 0 or self.calibration_tokens < 4 or self.calibration_long_tokens < 16:
+            raise ValueError("calibration_prompts must be >= 0, calibration_tokens >= 4, calibration_long_tokens >= 16")
+        if not 0.0 < self.calibration_target < 1.0:
+            raise ValueError("calibration_target must be in (0, 1)")
 
 
 @dataclass(slots=True)
@@ -69,6 +100,7 @@ class _Collected:
     span_end: np.ndarray  # (n,) int32
     surprisal: np.ndarray  # (m,) float64, calibration positions only
     d3: np.ndarray  # (m,) float64
+    n_attended: np.ndarray  # (m,) int64, positions attended by the last query of each d3 value
 
 
 @torch.inference_mode()
@@ -87,7 +119,7 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     if not windows:
         raise ValueError("the corpus has no text to build anchors from")
     H, K = [], []
-    KP, DOC, SS, SE, SUR, D3 = [], [], [], [], [], []
+    KP, DOC, SS, SE, SUR, D3, NA = [], [], [], [], [], [], []
     total = 0
     for di, w_ids, w_offs in tqdm(windows, desc="anchors: model pass", unit="win", disable=not progress):
         T = len(w_ids)
@@ -111,12 +143,13 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
         SE.append(np.asarray([w_offs[i + 1][1] for i in range(T - 1)], np.int32))
         SUR.append(sur[SKIP_POSITIONS:].double().cpu().numpy())
         D3.append(d3[SKIP_POSITIONS:].double().cpu().numpy())  # d3[j] averages disp[j..j+2]
+        NA.append(np.arange(SKIP_POSITIONS + 3, T + 1, dtype=np.int64))  # query j+2 attends j+3 positions
         total += T - 1
         if cfg.max_points and total >= cfg.max_points:
             break
     return _Collected(hidden=torch.cat(H), next_ids=torch.cat(K), next_probs=torch.cat(KP),
                       doc=np.concatenate(DOC), span_start=np.concatenate(SS), span_end=np.concatenate(SE),
-                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3))
+                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3), n_attended=np.concatenate(NA))
 
 
 def cluster(x: torch.Tensor, k: int, seed: int, iters: int, progress: bool = True) -> tuple[np.ndarray, torch.Tensor]:
@@ -200,6 +233,118 @@ def _spread(col: _Collected, counts: torch.Tensor, mean_sim: torch.Tensor, seed:
     return torch.where(multi, spread, torch.full_like(spread, fill))
 
 
+def _paragraphs(text: str) -> list[str]:
+    """Paragraphs of 200-900 characters (whitespace collapsed): blank-line separated ones, or, for
+    text without blank lines (ContractNLI), consecutive lines joined until 200 characters."""
+    parts = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    good = [p for p in parts if 200 <= len(p) <= 900 and not p.startswith("#")]
+    if good:
+        return good
+    out, cur = [], ""
+    for line in text.splitlines():
+        cur = f"{cur} {' '.join(line.split())}".strip()
+        if len(cur) >= 200:
+            out.append(cur[:900])
+            cur = ""
+    return out
+
+
+def calibration_prompts(lm, docs: list[Document], cfg: BuildConfig) -> list[list[int]]:
+    """Chat-format prompt token ids for the serving calibration (deterministic): a sixth of
+    ``calibration_prompts`` long ones (a document's text cut to ``calibration_long_tokens`` + a
+    question, one per document) and short ones (an instruction + one paragraph, paragraphs spread
+    over the corpus)."""
+    tok = lm.tokenizer
+    n_long = min(len(docs), max(1, cfg.calibration_prompts // 6))
+    texts = []
+    for d in docs[:n_long]:
+        ids = tok(d.text, add_special_tokens=False)["input_ids"][: cfg.calibration_long_tokens]
+        texts.append(f"{tok.decode(ids)}\n\n{CALIBRATION_QUESTION}")
+    n_short = max(0, cfg.calibration_prompts - len(texts))
+    shorts = [p for d in docs for p in _paragraphs(d.text)]
+    shorts = shorts[:: max(1, len(shorts) // max(1, n_short))][:n_short]  # spread over the corpus
+    texts += [f"{CALIBRATION_INSTRUCTIONS[i % len(CALIBRATION_INSTRUCTIONS)]}\n\n{p}" for i, p in enumerate(shorts)]
+    out = []
+    for t in texts[: cfg.calibration_prompts]:
+        rendered = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        out.append(list(tok(rendered, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+@torch.inference_mode()
+def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, progress: bool = True):
+    """Greedy answers to ``prompts`` (token id lists; each prefilled alone, then decoded together
+    as one batch, as the runner does; a row stops at EOS) with the runner's per-token signals, as
+    ``sfcl.eval.calibrate.TokenSignals`` (surprisal, D3, entity flag, attended length)."""
+    from sfcl.eval.calibrate import TokenSignals, signals_from_tokens
+    from sfcl.snapshot.entity import vocab_class_table
+
+    model = lm.model
+    device = next(model.parameters()).device
+    table = vocab_class_table(lm.tokenizer, lm.args.vocab_size).cpu().numpy()
+    eos = set(lm.eos_token_ids or [])
+    B = len(prompts)
+    kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
+    lens = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
+    logits, disp = [], []
+    for r, ids in enumerate(tqdm(prompts, desc="anchors: calibration prefill", unit="prompt", disable=not progress)):
+        T = len(ids)
+        b = AttnBatch(is_prefill=True, slots=torch.tensor([r]), positions=torch.arange(T, device=device), kv_len=T)
+        fo = model(torch.tensor([ids], device=device), b, kv, layer)
+        logits.append(fo.logits)  # (1, V)
+        disp.append(attention_dispersion(fo.tap_probs[:, :, -1], lens[r:r + 1]))
+    logits_t, disp_t = torch.cat(logits), torch.cat(disp)  # (B, V), (B,)
+    toks, lps, dps = [], [], []
+    for i in tqdm(range(max_new), desc="anchors: calibration decode", unit="tok", disable=not progress):
+        logp = torch.log_softmax(logits_t.float(), -1)
+        t = logp.argmax(-1)  # (B,)
+        toks.append(t)
+        lps.append(logp.gather(1, t[:, None])[:, 0])
+        dps.append(disp_t)
+        if i == max_new - 1:
+            break
+        pos = lens + i  # (B,) position of the token fed now
+        S = int(pos.max()) + 1
+        kv.ensure_initialized(B, S)
+        mask = torch.arange(S, device=device)[None, :] <= pos[:, None]  # (B, S)
+        b = AttnBatch(is_prefill=False, slots=torch.arange(B, device=device), positions=pos, kv_len=S,
+                      mask=mask.view(B, 1, 1, S), slot_range=(0, B))
+        fo = model(t[:, None], b, kv, layer)
+        logits_t = fo.logits
+        disp_t = attention_dispersion(fo.tap_probs[:, :, -1], pos + 1)
+    T_, L_, D_ = (torch.stack(x, 1).cpu().tolist() for x in (toks, lps, dps))  # (B, max_new) each
+    parts = []
+    for r in range(B):
+        n = next((j + 1 for j, t in enumerate(T_[r]) if t in eos), len(T_[r]))  # up to and with EOS
+        parts.append(signals_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r])))
+    return TokenSignals.concat(parts)
+
+
+def serving_calibration(lm, docs: list[Document], cfg: BuildConfig, layer: int, corpus_cal: dict,
+                        progress: bool = True) -> dict:
+    """Calibration entries from greedy serving-format answers (module docstring):
+    ``dispersion_by_length``, ``thresholds`` and ``threshold_calibration``. Raises ValueError when
+    the corpus yields no prompt or too few generated tokens for any length bucket."""
+    from sfcl.eval.calibrate import calibrate_thresholds
+    from sfcl.snapshot.triggers import Calibration
+
+    prompts = calibration_prompts(lm, docs, cfg)
+    if not prompts:
+        raise ValueError("the corpus gives no serving-calibration prompt")
+    sig = serving_signals(lm, prompts, layer, cfg.calibration_tokens, progress)
+    n_d3 = int(np.isfinite(sig.d3).sum())
+    table = dispersion_length_table(sig.d3, sig.n_attended, min_count=min(32, max(1, n_d3 // 4)),
+                                    source="greedy answers to chat-format prompts from the corpus (builder)")
+    cal = Calibration.from_dict({**corpus_cal, "dispersion_by_length": table})
+    res = calibrate_thresholds(sig, cal, cfg.calibration_target)
+    return {"dispersion_by_length": table, "thresholds": res.thresholds,
+            "threshold_calibration": {"target_rate": res.target, "achieved_rate": res.achieved,
+                                      "per_trigger_rate": res.per_trigger, "per_trigger_share_q": res.q,
+                                      "n_tokens": res.n_tokens, "prompts": len(prompts),
+                                      "rule": "equal per-trigger share, union = target",
+                                      "signals": "greedy answers to chat-format prompts from the corpus (builder)"}}
+
+
 def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = None, progress: bool = True,
                   versioned: bool = False, command: str = "") -> Path:
     """Build an anchor library for ``lm`` (a ``LoadedModel``) from ``docs`` into ``out_dir``.
@@ -238,7 +383,13 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         "share_surprisal_z2": float((np.abs(col.surprisal - col.surprisal.mean()) > 2 * col.surprisal.std()).mean()),
         "share_dispersion_z1.2": float(((col.d3 - col.d3.mean()) > 1.2 * col.d3.std()).mean()),
         "share_next_prob_below_0.85": float((np.exp(-col.surprisal) < 0.85).mean()),
+        "format": CALIBRATION_FORMAT,
     }
+    if cfg.calibration_prompts > 0:
+        cal.update(serving_calibration(lm, docs, cfg, layer, cal, progress))
+    else:
+        cal["dispersion_by_length"] = dispersion_length_table(col.d3, col.n_attended,
+                                                              source="teacher-forced corpus positions")
     save = (lambda **f: write_version(out_dir, f, command=command)) if versioned else \
         (lambda **f: save_library(out_dir, **f))
     path = save(
@@ -257,5 +408,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
 
 
 def library_cache_name(fingerprint: str, chash: str, layer: int, n: int) -> str:
-    return f"{fingerprint[:12]}-{chash[:12]}-L{layer}-N{n}"
+    """Cache directory name of a default library; the calibration format is part of it, so a
+    library cached by an older SFCL is rebuilt with the current calibration."""
+    return f"{fingerprint[:12]}-{chash[:12]}-L{layer}-N{n}-c{CALIBRATION_FORMAT}"
 

@@ -185,6 +185,7 @@ class ModelRunner:
             logits_t, hidden_t, disp_t = graph_out.logits, graph_out.hidden, graph_out.dispersion
         else:
             logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, n_valid)
+        natt_t = torch.tensor(n_valid, device=self.device)  # (N,) int64 attended positions per row
         tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                         [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
@@ -197,11 +198,11 @@ class ModelRunner:
         binds = [self.binding(s) for s in seqs]
         for snap, idx in _groups(binds):  # one group per library version (one, except after a reload)
             if len(idx) == len(seqs):
-                fired = snap.triggers(tokens, tok_logp, disp_t, slots, self.state)  # (N, 3)
+                fired = snap.triggers(tokens, tok_logp, disp_t, slots, self.state, natt_t)  # (N, 3)
                 has_snap[:] = True
             else:
                 ix = torch.tensor(idx, device=self.device)
-                fired[ix] = snap.triggers(tokens[ix], tok_logp[ix], disp_t[ix], slots[ix], self.state)
+                fired[ix] = snap.triggers(tokens[ix], tok_logp[ix], disp_t[ix], slots[ix], self.state, natt_t[ix])
                 has_snap[ix] = True
         fired = fired & (modes != MODE_OFF)[:, None]
         look = fired.any(1) | ((modes == MODE_ALWAYS) & has_snap)

@@ -17,7 +17,10 @@ design's ratio of event-triggered checks to tokens, "1,427 -> 89" checks) is spl
 across the enabled triggers: one scalar q sets every trigger's threshold so that this trigger
 alone fires on a share q of the recorded tokens (``thresholds_for_share``), and q is found by
 bisection so that the union (a token that fires several triggers is looked up once) fires on r
-(``calibrate_thresholds``). The corpus mean/std in the manifest stay as they are; only the
+(``calibrate_thresholds``). The dispersion statistics per attended length
+(``calibration.dispersion_by_length``, ``sfcl.snapshot.triggers``) are re-measured on the recorded
+answers (normalised attention entropy depends on the attended length and on the prompt format, so
+teacher-forced corpus text is a poor reference); the flat corpus mean/std stay as they are, and the
 thresholds change (``dispersion_z``, ``surprisal_z`` in those z units, ``entity_prob_threshold``
 as a probability). The entity trigger can never fire on more than the share of tokens inside
 entity spans; a larger q leaves it at threshold 1.0 and the other triggers take up the rest. The
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration
+from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration, dispersion_length_table
 
 DEFAULT_TARGET = 1.0 / 16.0
 _EPS = 1e-6
@@ -59,19 +62,24 @@ class TokenSignals:
 
     surprisal: float64 nats (-log p); d3: float64 mean dispersion of the last 3 tokens, NaN where
     fewer than 3 tokens of the sequence were generated; in_entity: bool, token inside an
-    entity-like span.
+    entity-like span; n_attended: float64 positions attended by the query that produced the token
+    (prompt length + tokens generated before it; NaN when unknown -> flat dispersion statistics).
     """
 
     surprisal: np.ndarray
     d3: np.ndarray
     in_entity: np.ndarray
+    n_attended: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.surprisal = np.asarray(self.surprisal, np.float64)
         self.d3 = np.asarray(self.d3, np.float64)
         self.in_entity = np.asarray(self.in_entity, bool)
-        if not (self.surprisal.shape == self.d3.shape == self.in_entity.shape) or self.surprisal.ndim != 1:
-            raise ValueError("surprisal, d3 and in_entity must be 1-D arrays of one length")
+        self.n_attended = np.full(self.surprisal.shape, np.nan) if self.n_attended is None else \
+            np.asarray(self.n_attended, np.float64)
+        if not (self.surprisal.shape == self.d3.shape == self.in_entity.shape == self.n_attended.shape) \
+                or self.surprisal.ndim != 1:
+            raise ValueError("surprisal, d3, in_entity and n_attended must be 1-D arrays of one length")
         if self.surprisal.size == 0:
             raise ValueError("no tokens to calibrate on")
 
@@ -82,16 +90,25 @@ class TokenSignals:
     @classmethod
     def concat(cls, parts: list["TokenSignals"]) -> "TokenSignals":
         return cls(np.concatenate([p.surprisal for p in parts]), np.concatenate([p.d3 for p in parts]),
-                   np.concatenate([p.in_entity for p in parts]))
+                   np.concatenate([p.in_entity for p in parts]), np.concatenate([p.n_attended for p in parts]))
+
+    def dispersion_z(self, cal: Calibration) -> np.ndarray:
+        """(n,) z-score of D3 under ``cal`` at each token's attended length (NaN where D3 is
+        undefined); tokens with unknown length use the flat statistics."""
+        mu, sd = cal.dispersion_stats_np(np.nan_to_num(self.n_attended, nan=0.0))
+        known = np.isfinite(self.n_attended)
+        mu = np.where(known, mu, cal.dispersion_mean)
+        sd = np.where(known, sd, cal.dispersion_std)
+        return (self.d3 - mu) / sd
 
 
 def fire_masks(sig: TokenSignals, cal: Calibration, thr: dict, enabled=TRIGGER_NAMES) -> np.ndarray:
     """(n, 3) bool, TRIGGER_NAMES order, with the runner's rules (``sfcl.snapshot.triggers``):
-    entity: in_entity & p < entity_prob_threshold; dispersion: (D3 - mu)/sigma > dispersion_z
+    entity: in_entity & p < entity_prob_threshold; dispersion: (D3 - mu(n))/sigma(n) > dispersion_z
     (never where D3 is undefined); surprisal: |s - mu|/sigma > surprisal_z."""
     p = np.exp(-sig.surprisal)
     with np.errstate(invalid="ignore"):
-        dz = (sig.d3 - cal.dispersion_mean) / cal.dispersion_std
+        dz = sig.dispersion_z(cal)
         m = np.stack([sig.in_entity & (p < thr["entity_prob_threshold"]),
                       np.nan_to_num(dz, nan=-np.inf) > thr["dispersion_z"],
                       np.abs(sig.surprisal - cal.surprisal_mean) / cal.surprisal_std > thr["surprisal_z"]], 1)
@@ -125,7 +142,7 @@ def thresholds_for_share(sig: TokenSignals, cal: Calibration, q: float) -> dict:
     k = int(round(q * sig.n))
     p_ent = np.exp(-sig.surprisal[sig.in_entity])
     ent = -_upper_cut(-p_ent, k) if p_ent.size else _EPS  # the k smallest p lie below the cut
-    dz = (sig.d3 - cal.dispersion_mean) / cal.dispersion_std
+    dz = sig.dispersion_z(cal)
     dz = dz[np.isfinite(dz)]
     disp = _upper_cut(dz, k) if dz.size else 1e9
     sz = np.abs(sig.surprisal - cal.surprisal_mean) / cal.surprisal_std
@@ -172,9 +189,10 @@ def calibrate_thresholds(sig: TokenSignals, cal: Calibration, target: float = DE
 
 
 def signals_from_tokens(tokens: list[int], logprobs: list[float], dispersion: list[float], class_table: np.ndarray,
-                        window: int = 3) -> TokenSignals:
+                        window: int = 3, prompt_len: int | None = None) -> TokenSignals:
     """Signals of one generated sequence, computed as the runner does (entity state starts at a
-    sentence end, D3 defined from the ``window``-th token on)."""
+    sentence end, D3 defined from the ``window``-th token on; the i-th generated token (0-based)
+    came from a query attending prompt_len + i positions; unknown when prompt_len is None)."""
     from sfcl.snapshot import entity
 
     n = len(tokens)
@@ -192,7 +210,8 @@ def signals_from_tokens(tokens: list[int], logprobs: list[float], dispersion: li
         cont = (c_ & entity.CONT) != 0 and (prev & entity.IN_ENTITY) != 0
         ins[i] = strong or name or cont
         prev = (entity.IN_ENTITY if ins[i] else 0) | (c_ & entity.SENT_END)
-    return TokenSignals(-np.asarray(logprobs, np.float64), d3, ins)
+    natt = np.full(n, np.nan) if prompt_len is None else prompt_len + np.arange(n, dtype=np.float64)
+    return TokenSignals(-np.asarray(logprobs, np.float64), d3, ins, natt)
 
 
 class SignalRecorder:
@@ -215,9 +234,11 @@ class SignalRecorder:
         return out
 
 
-def write_library(src: Path, out: Path, res: ThresholdResult, corpus: list[str], extra: dict) -> Path:
-    """Copy library ``src`` to ``out`` (must not exist or be empty) with the thresholds in the
-    manifest. Raises FileExistsError when ``out`` holds files."""
+def write_library(src: Path, out: Path, res: ThresholdResult, corpus: list[str], extra: dict,
+                  length_table: dict | None = None) -> Path:
+    """Copy library ``src`` to ``out`` (must not exist or be empty) with the thresholds (and, when
+    given, the per-length dispersion table) in the manifest. Raises FileExistsError when ``out``
+    holds files."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; write the calibrated library to a new directory")
     if out.exists():
@@ -227,6 +248,8 @@ def write_library(src: Path, out: Path, res: ThresholdResult, corpus: list[str],
     m = json.loads(mf.read_text(encoding="utf-8"))
     cal = dict(m.get("calibration") or {})
     cal["thresholds"] = res.thresholds
+    if length_table:
+        cal["dispersion_by_length"] = length_table
     cal["threshold_calibration"] = {
         "target_rate": res.target, "achieved_rate": res.achieved, "per_trigger_rate": res.per_trigger,
         "per_trigger_share_q": res.q, "n_tokens": res.n_tokens, "rule": "equal per-trigger share, union = target",
@@ -306,9 +329,16 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         finally:
             runner.execute = rec.execute
         table = snap.class_table.cpu().numpy()
-        sig = TokenSignals.concat([signals_from_tokens(*rec.seqs[r.request_id], table, snap.cfg.dispersion_window)
+        sig = TokenSignals.concat([signals_from_tokens(*rec.seqs[r.request_id], table, snap.cfg.dispersion_window,
+                                                       prompt_len=r.prompt_tokens)
                                    for r in recs if r.request_id in rec.seqs and rec.seqs[r.request_id][0]])
-        cal = Calibration.from_dict(built.library.calibration)
+        try:  # D3 statistics per attended length, from the answers themselves
+            length_table = dispersion_length_table(sig.d3, sig.n_attended, source="greedy answers to generated questions")
+        except ValueError:  # too few tokens for any bucket: keep the library's statistics
+            length_table = None
+        cal = Calibration.from_dict({**built.library.calibration,
+                                     **({"dispersion_by_length": length_table} if length_table else {})})
+        snap.cal = cal  # the sweep runs with the new statistics
         res = calibrate_thresholds(sig, cal, a.target_rate, snap.cfg.enabled)
         default = trigger_shares(sig, cal, {"entity_prob_threshold": 0.85, "dispersion_z": 1.2, "surprisal_z": 2.0},
                                  snap.cfg.enabled)
@@ -329,7 +359,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     finally:
         eng.shutdown()
     write_library(Path(a.library), out, res, [str(c) for c in a.corpus],
-                  {"default_thresholds_rate": default["union"], "docs": len(docs), "items": len(items)})
+                  {"default_thresholds_rate": default["union"], "docs": len(docs), "items": len(items)}, length_table)
     report = {"thresholds": res.thresholds, "target_rate": res.target, "achieved_rate": res.achieved,
               "per_trigger_rate": res.per_trigger, "n_tokens": res.n_tokens,
               "rate_with_default_thresholds": default, "sweep": points}

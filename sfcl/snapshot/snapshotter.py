@@ -146,10 +146,12 @@ class Snapshotter:
         return self.lib.layer
 
     def triggers(self, tokens: torch.Tensor, token_logp: torch.Tensor, dispersion: torch.Tensor,
-                 slots: torch.Tensor, state: SnapshotState) -> torch.Tensor:
+                 slots: torch.Tensor, state: SnapshotState, n_attended: torch.Tensor | None = None) -> torch.Tensor:
         """Evaluate the three triggers and advance the per-slot state.
 
-        tokens (B,) int64, token_logp (B,) float32, dispersion (B,) float32, slots (B,) int64.
+        tokens (B,) int64, token_logp (B,) float32, dispersion (B,) float32, slots (B,) int64,
+        n_attended (B,) int64: positions the producing query attended (selects the dispersion
+        calibration of that length; None: the library's flat statistics).
         Returns (B, 3) bool in TRIGGER_NAMES order (disabled triggers are all False).
         """
         w = state.window
@@ -167,7 +169,7 @@ class Snapshotter:
         p = token_logp.exp()
         fired = torch.stack([
             entity_low_confidence(p, in_entity, self.cfg.entity_prob_threshold),
-            dispersion_trigger(d3, self.cal, self.cfg.dispersion_z) & full,
+            dispersion_trigger(d3, self.cal, self.cfg.dispersion_z, n_attended) & full,
             surprisal_trigger(-token_logp, self.cal, self.cfg.surprisal_z),
         ], dim=1)  # (B, 3)
         return fired & self.enabled

@@ -14,17 +14,26 @@ Signals (all natural-log units):
 Triggers (defaults from the source design where it gives one, ``docs/SEED.md``):
 1. ``entity_low_confidence``: token inside an entity-like span (``sfcl.snapshot.entity``) and
    p < 0.85.
-2. ``attention_dispersion``: (D3 - mu_D3) / sigma_D3 > 1.2, with mu/sigma of D3 measured on the
-   anchor corpus at build time. The report's "standard deviation of attention over 3 tokens above
-   1.2" has no stated unit; we read it as 1.2 corpus standard deviations above the corpus mean.
+2. ``attention_dispersion``: (D3 - mu_D3(n)) / sigma_D3(n) > 1.2. The report's "standard deviation
+   of attention over 3 tokens above 1.2" has no stated unit; we read it as 1.2 calibration
+   standard deviations above the calibration mean. Normalised entropy depends strongly on the
+   attended length n (on SmolLM2-135M: mean D3 0.41 at n ~ 25, 0.32 at n ~ 700, 0.30 at n ~ 5000),
+   so mu and sigma are looked up per attended length: the calibration stores them per
+   power-of-two bucket of n (``dispersion_by_length``) and ``Calibration.dispersion_stats``
+   interpolates linearly in log2 n between bucket centres (flat beyond the outer ones). A library
+   without the table (older manifests) uses the flat ``dispersion_mean`` / ``dispersion_std``.
 3. ``surprisal_deviation``: |s - mu_s| / sigma_s > 2.0, corpus calibration as above.
+
+The thresholds can be recalibrated per library (``calibration.thresholds``, written by the
+builder's serving calibration and by ``sfcl anchors calibrate``; ``TriggerConfig.from_calibration``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TRIGGER_NAMES = ("entity_low_confidence", "attention_dispersion", "surprisal_deviation")
@@ -71,22 +80,110 @@ class TriggerConfig:
 
 @dataclass(slots=True)
 class Calibration:
-    """Corpus statistics of the signals (stored in the anchor library manifest)."""
+    """Statistics of the signals (stored in the anchor library manifest's ``calibration``).
+
+    The flat ``dispersion_mean`` / ``dispersion_std`` are always present; the optional length
+    table (``dispersion_log2_n`` ascending bucket centres = mean log2 of the attended length,
+    with the D3 mean and std of each bucket) replaces them in the dispersion z-score when set.
+    """
 
     surprisal_mean: float
     surprisal_std: float
     dispersion_mean: float  # of D3
     dispersion_std: float
+    dispersion_log2_n: tuple[float, ...] = ()
+    dispersion_means: tuple[float, ...] = ()
+    dispersion_stds: tuple[float, ...] = ()
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (x, mean, std)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
+        """From a manifest's calibration dict: the flat keys (required) and, when present,
+        ``dispersion_by_length = {"log2_n": [...], "mean": [...], "std": [...], ...}``.
+        Raises ValueError for missing keys, non-positive stds or a malformed table."""
         try:
             c = cls(*(float(d[k]) for k in ("surprisal_mean", "surprisal_std", "dispersion_mean", "dispersion_std")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"anchor library calibration is incomplete: {e}") from e
         if not (c.surprisal_std > 0 and c.dispersion_std > 0):
             raise ValueError("anchor library calibration has a non-positive standard deviation")
+        t = d.get("dispersion_by_length")
+        if t is not None:
+            bad = "anchor library calibration: dispersion_by_length must be an object with equal-length " \
+                  "lists log2_n (strictly ascending), mean, std (> 0)"
+            try:
+                x, m, sd = ([float(v) for v in t[k]] for k in ("log2_n", "mean", "std"))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{bad}: {e}") from e
+            if not (len(x) == len(m) == len(sd) >= 1) or not all(map(math.isfinite, x + m + sd)) \
+                    or any(v <= 0 for v in sd) or any(b <= a for a, b in zip(x, x[1:])):
+                raise ValueError(bad)
+            c.dispersion_log2_n, c.dispersion_means, c.dispersion_stds = tuple(x), tuple(m), tuple(sd)
         return c
+
+    @property
+    def by_length(self) -> bool:
+        return len(self.dispersion_log2_n) > 0
+
+    def dispersion_stats(self, n_attended: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std of D3 for attended lengths ``n_attended`` ((B,) int64, on the device).
+
+        Piecewise-linear in log2 n between bucket centres, constant beyond the first and last;
+        flat statistics when the library has no table or n_attended is None. Returns two (B,)
+        float32 tensors on ``like``'s device. Batched, no host synchronisation."""
+        if not self.by_length or n_attended is None:
+            return (torch.full_like(like, self.dispersion_mean, dtype=torch.float32),
+                    torch.full_like(like, self.dispersion_std, dtype=torch.float32))
+        key = str(like.device)
+        if key not in self._tables:
+            self._tables[key] = tuple(torch.tensor(v, dtype=torch.float32, device=like.device) for v in
+                                      (self.dispersion_log2_n, self.dispersion_means, self.dispersion_stds))
+        xs, ms, ss = self._tables[key]
+        if xs.numel() == 1:
+            return ms.expand(like.shape), ss.expand(like.shape)
+        x = n_attended.float().clamp_min(1).log2()
+        i = torch.searchsorted(xs, x).clamp(1, xs.numel() - 1)  # segment [i-1, i]
+        x0, x1 = xs[i - 1], xs[i]
+        t = ((x - x0) / (x1 - x0)).clamp(0.0, 1.0)
+        return torch.lerp(ms[i - 1], ms[i], t), torch.lerp(ss[i - 1], ss[i], t)
+
+    def dispersion_stats_np(self, n_attended: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """NumPy twin of :meth:`dispersion_stats` (float64 arrays shaped like n_attended)."""
+        n = np.asarray(n_attended, np.float64)
+        if not self.by_length:
+            return np.full(n.shape, self.dispersion_mean), np.full(n.shape, self.dispersion_std)
+        x = np.log2(np.maximum(n, 1.0))
+        return (np.interp(x, self.dispersion_log2_n, self.dispersion_means),
+                np.interp(x, self.dispersion_log2_n, self.dispersion_stds))
+
+
+def dispersion_length_table(d3: np.ndarray, n_attended: np.ndarray, min_count: int = 64, source: str = "") -> dict:
+    """Per-attended-length statistics of D3 for a manifest's ``dispersion_by_length``.
+
+    d3: (m,) float D3 values (NaN entries are ignored); n_attended: (m,) int attended length of
+    the last query of each D3. Buckets are [2^k, 2^(k+1)); buckets with fewer than ``min_count``
+    values are dropped (the neighbours' interpolation covers them). Returns {"log2_n", "mean",
+    "std", "count", "min_count", "source"}; raises ValueError when no bucket has min_count values.
+    """
+    d3 = np.asarray(d3, np.float64)
+    n = np.asarray(n_attended, np.float64)
+    if d3.shape != n.shape:
+        raise ValueError("d3 and n_attended must have one shape")
+    ok = np.isfinite(d3) & (n >= 1)
+    d3, n = d3[ok], n[ok]
+    k = np.floor(np.log2(n)).astype(np.int64)
+    out = {"log2_n": [], "mean": [], "std": [], "count": []}
+    for b in np.unique(k):
+        m = k == b
+        if m.sum() < min_count:
+            continue
+        out["log2_n"].append(float(np.log2(n[m]).mean()))
+        out["mean"].append(float(d3[m].mean()))
+        out["std"].append(float(max(d3[m].std(), 1e-6)))
+        out["count"].append(int(m.sum()))
+    if not out["count"]:
+        raise ValueError(f"no attended-length bucket has {min_count} dispersion values to calibrate on")
+    return {**out, "min_count": int(min_count), "source": source}
 
 
 def attention_dispersion(probs: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
@@ -107,9 +204,13 @@ def entity_low_confidence(token_prob: torch.Tensor, in_entity: torch.Tensor, thr
     return in_entity & (token_prob < threshold)
 
 
-def dispersion_trigger(d3: torch.Tensor, cal: Calibration, z: float = 1.2) -> torch.Tensor:
-    """(B,) bool: the 3-token mean dispersion is more than ``z`` corpus std above the corpus mean."""
-    return (d3 - cal.dispersion_mean) / cal.dispersion_std > z
+def dispersion_trigger(d3: torch.Tensor, cal: Calibration, z: float = 1.2,
+                       n_attended: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) bool: the 3-token mean dispersion is more than ``z`` calibration std above the
+    calibration mean for the attended length (``n_attended`` (B,) int64 of the latest token; None:
+    the flat statistics)."""
+    mu, sd = cal.dispersion_stats(n_attended, d3)
+    return (d3 - mu) / sd > z
 
 
 def surprisal_trigger(surprisal: torch.Tensor, cal: Calibration, z: float = 2.0) -> torch.Tensor:
