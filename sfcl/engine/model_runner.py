@@ -181,11 +181,11 @@ class ModelRunner:
             self.kv.save(w.slot, w.first_block, w.pool_blocks)
         if not seqs:
             return out
+        natt_t = torch.tensor(n_valid, device=self.device)  # (N,) int64 attended positions per row
         if graph_out is not None:
             logits_t, hidden_t, disp_t = graph_out.logits, graph_out.hidden, graph_out.dispersion
         else:
-            logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, n_valid)
-        natt_t = torch.tensor(n_valid, device=self.device)  # (N,) int64 attended positions per row
+            logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, natt_t)
         tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                         [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
@@ -227,11 +227,12 @@ class ModelRunner:
                                                     dispersion=r[3], snapshot=hits.get(i))
         return out
 
-    def _dispersion(self, tap_probs: list, n_valid: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _dispersion(tap_probs: list, nv: torch.Tensor) -> torch.Tensor:
         """Attention dispersion (N,) of the sampled rows from the snapshot layer's weights, one
-        (B_part, nh, 1, S_part) tensor per part that samples (parts attend different lengths)."""
+        (B_part, nh, 1, S_part) tensor per part that samples (parts attend different lengths);
+        nv (N,) int64 attended positions per row."""
         probs = [p[:, :, -1] for p in tap_probs if p is not None]  # (B_part, nh, S_part)
-        nv = torch.tensor(n_valid, device=self.device)
         if len(probs) == 1:
             return attention_dispersion(probs[0], nv)
         out, i = [], 0
