@@ -148,9 +148,10 @@ def main() -> int:
             # batch 1 at a time (max_num_seqs=1): every decode step takes the packed-kernel path
             eng = make_llm_engine(slm, None, EngineConfig(max_num_seqs=1, prefix_cache_tokens=0,
                                                           max_num_batched_tokens=512))
-            evs = run_to_completion(eng, [(p, SamplingParams(max_tokens=a.gen, snapshot_mode="off")) for p in
-                                          tqdm(prompts, desc=f"greedy {m}", file=sys.stderr)])
-            outs[m] = ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in evs]
+            outs[m] = []
+            for p in tqdm(prompts, desc=f"greedy {m}", file=sys.stderr):
+                [ev] = run_to_completion(eng, [(p, SamplingParams(max_tokens=a.gen, snapshot_mode="off"))])
+                outs[m].append("".join(e.text for e in ev if isinstance(e, TextDelta)))
         res["greedy"] = {}
         for m in modes:
             agree, total, same = 0, 0, 0
