@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers for ``sfcl.model.llama.LlamaModel`` (CPU).
 
-``quantize_weights(model, mode)`` swaps the five projection modules of every block (``qkv_proj``,
+``quantize_weights(model, mode)`` swaps the four projection modules of every block (``qkv_proj``,
 ``o_proj``, ``gate_up_proj``, ``down_proj``) and ``lm_head`` for quantized ones, in place, after
 loading; ``llama.py`` is untouched and the embedding (and therefore the model fingerprint that
 anchor libraries are tied to) stays in the serving dtype.
@@ -25,7 +25,8 @@ Modes (weights quantized, activations stay bf16/fp32 — "W8A16"/"W4A16", as in 
 
 Dispatch by the number of input rows M (= decode batch rows, or prompt tokens in a prefill chunk):
 the packed kernels are memory-bound GEMVs that beat a bf16 GEMM only while M is small (measured on
-the 2-core AVX-512 CPU, one thread, all SmolLM2-135M linears of one decode step: bf16 / int8 / int4
+the 2-core AVX-512 CPU, one thread, synthetic weights of all SmolLM2-135M linears of one decode
+step, lm_head in the same mode: bf16 / int8 / int4
 = 11.4 / 4.6 / 4.1 ms at M=1, 15.6 / 13.4 / 11.4 at M=6, 13.7 / 14.8 / 13.0 at M=8, 20.6 / 29.5 /
 26.1 at M=16, 403 / 1259 / 970 at M=512). Rows M <= ``max_rows`` use the packed kernel; larger M
 use a dense matmul whose weight comes from
@@ -34,8 +35,7 @@ use a dense matmul whose weight comes from
   tied ``lm_head`` shares the embedding, so it costs nothing there), or
 - ``dense="dequant"``: dequantized on every call (no bf16 copy; int8 dequantizes the kernel's own
   int8 weight, 1 byte/param in all; int4 keeps an unpacked nibble copy next to the kernel's packed
-  one, 0.5 + 0.5 byte/param). Measured 4.5x
-  (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
+  one, 0.5 + 0.5 byte/param). Measured 4.5x (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
   prefill chunk: only for a model that does not fit twice.
 
 CPU only: these are CPU kernels (CUDA's ``_weight_int4pack_mm`` uses another packing and there is
@@ -55,9 +55,10 @@ INT4_GROUP = 32
 # Largest M that uses the packed kernel, per mode (crossovers measured as in the module docstring).
 DEFAULT_MAX_ROWS = {"int8": 6, "int4": 6}
 # lm_head (tied to the embedding in SmolLM2, which the GGUF stores as Q8_0, not Q4_1) stays int8 in
-# int4 mode: teacher-forced perplexity on 1,022 ContractNLI tokens, bf16 20.648 -> int4 blocks +
-# int4 head 21.842 (+5.8%), int4 blocks + int8 head 20.672 (+0.12%); bf16 / int8 / int4 head GEMV at
-# M=1 costs 7.4 / 1.8 / 0.95 ms on one thread.
+# int4 mode: teacher-forced perplexity on 1,022 ContractNLI tokens, all bf16 20.648; int4 head alone
+# 21.842 (+5.8%), int8 head alone 20.706 (+0.28%), int4 blocks alone 20.632 (-0.08%: the Q4_1 grid),
+# int4 blocks + int8 head 20.672 (+0.12%). bf16 / int8 / int4 head GEMV at M=1: 7.4 / 1.8 / 0.95 ms
+# on one thread.
 DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8"}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
