@@ -19,10 +19,16 @@ class ModelConfig:
     dtype: str = "bfloat16"  # bfloat16 | float32
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads for the engine thread (None: torch default)
+    weight_quant: str = "none"  # none | int8 | int4: weight-only quantized linears (sfcl.model.quant, CPU)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError("dtype must be bfloat16, float32 or float16")
+        if self.weight_quant not in ("none", "int8", "int4"):
+            raise ValueError("weight_quant must be none, int8 or int4")
+        if self.weight_quant != "none" and not str(self.device).startswith("cpu"):
+            raise ValueError(f"--weight-quant {self.weight_quant} runs on the CPU only (torch's packed int8/int4 "
+                             f"CPU kernels); use --weight-quant none with --device {self.device}")
 
 
 @dataclass(slots=True)

@@ -178,6 +178,11 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
         torch.set_num_threads(mcfg.threads)
     lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device=mcfg.device, cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, progress)
+    if mcfg.weight_quant != "none":
+        # after the library: a default library built on first start comes from the unquantized weights
+        # (its cache name holds the fingerprint, which the kept bf16 embedding leaves unchanged)
+        from sfcl.model.quant import quantize_weights
+        quantize_weights(lm.model, mcfg.weight_quant)
     engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device)
     max_len = engine.scheduler.cfg.max_model_len
     extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,

@@ -1,0 +1,212 @@
+"""Weight-only INT8 / INT4 linears (``sfcl.model.quant``) vs the bf16 weights: perplexity, greedy
+agreement, snapshot-tap drift, and in-process engine step time.
+
+    python scripts/weight_quant_quality.py --docs 4 --tokens 1024 --prompts 8 --gen 48 --speed
+
+- Perplexity: teacher-forced over the first ``--tokens`` tokens of each ContractNLI NDA
+  (``../shared/data/contractnli/dev.json``) in ``--chunk``-token chunks, with every linear forced
+  onto the packed quantized kernel (``max_rows`` unbounded) so the figure is the quantized
+  weights' own, not the bf16 dense path that serving uses for prefill chunks.
+- Tap drift: on the same tokens, cosine between the bf16 and quantized hidden states at the
+  snapshot layer of the default anchor library, and how often the nearest anchor (top-1) is the
+  same; also whether the model fingerprint (what libraries are tied to) is unchanged.
+- Greedy agreement: the engine (real dispatch: packed kernel for decode batches of <= max_rows,
+  bf16 above, so prompts prefill in bf16) answers ``--prompts`` questions over NDA excerpts;
+  share of generated tokens identical up to the first divergence and of identical answers.
+- ``--speed``: ms per ``engine.step()`` at decode batch 1 and 16 (median over the decode steps
+  after warm-up), like ``sfcl serve`` runs them, snapshot mode ``triggered``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sfcl.anchors.corpus import read_corpus
+from sfcl.anchors.store import AnchorIndex
+from sfcl.config import EngineConfig, SnapshotConfig, default_cache_dir
+from sfcl.engine.engine import run_to_completion
+from sfcl.engine.events import TextDelta
+from sfcl.engine.kv_cache import KVCache
+from sfcl.engine.request import SamplingParams
+from sfcl.model.llama import AttnBatch
+from sfcl.model.loader import load_model, model_fingerprint
+from sfcl.model.quant import quantize_weights, weight_bytes
+from sfcl.serving import load_anchors, make_llm_engine
+
+QUESTIONS = ("How long do the confidentiality obligations last?", "Which law governs this agreement?",
+             "Who are the parties to this agreement?", "What must the recipient do with confidential "
+             "information when the agreement ends?")
+MODES = ("none", "int8", "int4")
+
+
+@torch.inference_mode()
+def teacher_forced(model, args, ids: list[int], chunk: int, layer: int) -> tuple[float, int, torch.Tensor]:
+    """Summed next-token NLL (nats), token count, and tap hidden states (T-1, H) float32."""
+    kv = KVCache(args, 1, len(ids) + 16, model.embed_tokens.weight.dtype)
+    total, n, taps = 0.0, 0, []
+    for a in range(0, len(ids) - 1, chunk):
+        b = min(len(ids) - 1, a + chunk)
+        out = model(torch.tensor([ids[a:b]]), AttnBatch(True, torch.tensor([0]), torch.arange(a, b), b), kv, layer,
+                    all_positions=True, want_probs=False)
+        logp = out.logits[0].float().log_softmax(-1)  # (T, V)
+        tgt = torch.tensor(ids[a + 1:b + 1])
+        total -= float(logp.gather(1, tgt[:, None]).sum())
+        n += b - a
+        taps.append(out.tap_hidden[0].float())  # (T, H)
+    return total, n, torch.cat(taps)
+
+
+def step_ms(lm, lib, batch: int, steps: int, ids: list[int]) -> float:
+    eng = make_llm_engine(lm, lib, EngineConfig(), SnapshotConfig())
+    for i in range(batch):
+        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
+                                                     snapshot_mode="triggered"))
+    times = []
+    while eng.has_work():
+        t = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t) * 1e3)
+    d = sorted(times[5:])  # the first steps prefill
+    return d[len(d) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/contractnli/dev.json"))
+    ap.add_argument("--docs", type=int, default=4, help="documents for perplexity and tap drift")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per document")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk for the teacher-forced pass")
+    ap.add_argument("--prompts", type=int, default=8, help="greedy prompts (0: skip)")
+    ap.add_argument("--gen", type=int, default=48, help="tokens generated per greedy prompt")
+    ap.add_argument("--speed", action="store_true", help="also time engine steps at batch 1 and 16")
+    ap.add_argument("--speed-steps", type=int, default=48, help="decode steps per speed run")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--modes", default="int8,int4", help="quantized modes to compare with bf16")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    modes = [m for m in a.modes.split(",") if m]
+    if any(m not in MODES[1:] for m in modes):
+        ap.error(f"--modes takes a comma list of {', '.join(MODES[1:])}")
+    lm = load_model(None, dtype=torch.bfloat16, cache_dir=default_cache_dir())
+    lib = load_anchors(lm, SnapshotConfig(), progress=True)
+    index = AnchorIndex(lib)
+    models = {"none": lm.model}
+    for m in modes:
+        models[m] = quantize_weights(copy.deepcopy(lm.model), m, max_rows=1 << 30)  # packed kernel for every M
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": lm.name,
+                 "threads": torch.get_num_threads(), "layer": lib.layer,
+                 "fingerprint_unchanged": {m: model_fingerprint(lm.args, models[m]) == lm.fingerprint for m in modes},
+                 "linear_bytes": {m: weight_bytes(models[m]) for m in models}}
+    docs = read_corpus([a.data])[: max(a.docs, a.prompts)]
+    sums = {m: [0.0, 0] for m in models}
+    cos = {m: [] for m in modes}
+    top1 = {m: [0, 0] for m in modes}
+    for d in tqdm(docs[: a.docs], desc="perplexity + tap drift", file=sys.stderr):
+        ids = lm.tokenizer(d.text, add_special_tokens=False)["input_ids"][: a.tokens]
+        taps = {}
+        for m, model in models.items():
+            t, n, taps[m] = teacher_forced(model, lm.args, ids, a.chunk, lib.layer)
+            sums[m][0] += t
+            sums[m][1] += n
+        ref_ids = index.search(taps["none"], 1)[1][:, 0]
+        for m in modes:
+            cos[m].append(torch.nn.functional.cosine_similarity(taps[m], taps["none"], dim=-1))
+            top1[m][0] += int((index.search(taps[m], 1)[1][:, 0] == ref_ids).sum())
+            top1[m][1] += len(ref_ids)
+    ppl = {m: math.exp(t / n) for m, (t, n) in sums.items()}
+    res["perplexity"] = {"tokens": sums["none"][1], **ppl,
+                         "relative_change": {m: ppl[m] / ppl["none"] - 1 for m in modes}}
+    res["tap"] = {m: {"cos_mean": float(torch.cat(cos[m]).mean()), "cos_min": float(torch.cat(cos[m]).min()),
+                      "cos_p01": float(torch.cat(cos[m]).quantile(0.01)),
+                      "top1_anchor_agreement": top1[m][0] / max(1, top1[m][1])} for m in modes}
+    # serving behaviour from here on: default dispatch (packed kernel only for small M)
+    served = {"none": lm}
+    for m in modes:
+        served[m] = dataclasses.replace(lm, model=quantize_weights(copy.deepcopy(lm.model), m))
+    del models
+    if a.prompts:
+        prompts = []
+        for i, d in enumerate(docs[: a.prompts]):
+            msg = d.text[:3000] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
+            text = lm.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
+                                                    add_generation_prompt=True)
+            prompts.append(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        outs = {}
+        for m, slm in served.items():
+            # batch 1 at a time (max_num_seqs=1): every decode step takes the packed-kernel path
+            eng = make_llm_engine(slm, None, EngineConfig(max_num_seqs=1, prefix_cache_tokens=0,
+                                                          max_num_batched_tokens=512))
+            outs[m] = []
+            for p in tqdm(prompts, desc=f"greedy {m}", file=sys.stderr):
+                [ev] = run_to_completion(eng, [(p, SamplingParams(max_tokens=a.gen, snapshot_mode="off"))])
+                outs[m].append("".join(e.text for e in ev if isinstance(e, TextDelta)))
+        res["greedy"] = {}
+        for m in modes:
+            agree, total, same = 0, 0, 0
+            for x, y in zip(outs["none"], outs[m]):
+                tx, ty = lm.tokenizer(x)["input_ids"], lm.tokenizer(y)["input_ids"]
+                k = 0
+                while k < min(len(tx), len(ty)) and tx[k] == ty[k]:
+                    k += 1
+                agree += k
+                total += max(len(tx), 1)
+                same += x == y
+            res["greedy"][m] = {"prompts": len(prompts), "prefix_agreement": agree / total,
+                                "identical_answers": same / len(prompts)}
+    if a.speed:
+        ids = lm.tokenizer.encode("Write a long story about a contract between two companies and its "
+                                  "confidentiality clauses.")
+        res["step_ms"] = {}
+        for m, slm in tqdm(served.items(), desc="engine step timing", file=sys.stderr):
+            res["step_ms"][m] = {b: step_ms(slm, lib, b, a.speed_steps, ids) for b in (1, 16)}
+    report(res, modes, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def report(r: dict, modes: list[str], a) -> None:
+    print(f"Weight-only quantization vs bf16 weights on {r['model']} ({r['date']}, {r['threads']} threads)")
+    cols = ["bf16"] + modes
+    print("| figure | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    lb = r["linear_bytes"]
+    print("| linear weights MiB (packed + kept dense) | " + " | ".join(
+        f"{(lb[m]['packed'] + lb[m]['dense']) / 2**20:.0f} ({lb[m]['packed'] / 2**20:.0f} + {lb[m]['dense'] / 2**20:.0f})"
+        for m in ["none"] + modes) + " |")
+    pp = r["perplexity"]
+    print(f"| perplexity ({pp['tokens']} NDA tokens, packed kernels) | {pp['none']:.3f} | " + " | ".join(
+        f"{pp[m]:.3f} ({100 * pp['relative_change'][m]:+.2f}%)" for m in modes) + " |")
+    t = r["tap"]
+    print(f"| layer-{r['layer']} tap cosine mean / p01 / min | 1 | " + " | ".join(
+        f"{t[m]['cos_mean']:.4f} / {t[m]['cos_p01']:.4f} / {t[m]['cos_min']:.4f}" for m in modes) + " |")
+    print("| nearest-anchor (top-1) agreement | 100% | " + " | ".join(
+        f"{100 * t[m]['top1_anchor_agreement']:.1f}%" for m in modes) + " |")
+    print("| model fingerprint unchanged | yes | " + " | ".join(
+        "yes" if r["fingerprint_unchanged"][m] else "NO" for m in modes) + " |")
+    if "greedy" in r:
+        g = r["greedy"]
+        print(f"| greedy: tokens before first divergence ({g[modes[0]]['prompts']} prompts x {a.gen}) | 100% | "
+              + " | ".join(f"{100 * g[m]['prefix_agreement']:.1f}%" for m in modes) + " |")
+        print("| greedy: identical answers | 100% | " + " | ".join(
+            f"{100 * g[m]['identical_answers']:.0f}%" for m in modes) + " |")
+    if "step_ms" in r:
+        s = r["step_ms"]
+        for b in (1, 16):
+            print(f"| engine step ms, batch {b} (median) | {s['none'][b]:.1f} | " + " | ".join(
+                f"{s[m][b]:.1f} ({s['none'][b] / s[m][b]:.2f}x)" for m in modes) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

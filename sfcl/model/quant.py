@@ -1,0 +1,221 @@
+"""Weight-only quantized linear layers for ``sfcl.model.llama.LlamaModel`` (CPU).
+
+``quantize_weights(model, mode)`` swaps the four projection modules of every block (``qkv_proj``,
+``o_proj``, ``gate_up_proj``, ``down_proj``) and ``lm_head`` for quantized ones, in place, after
+loading; ``llama.py`` is untouched and the embedding (and therefore the model fingerprint that
+anchor libraries are tied to) stays in the serving dtype.
+
+Modes (weights quantized, activations stay bf16/fp32 — "W8A16"/"W4A16", as in gpt-fast's
+``quantize.py``):
+
+- ``int8``: per-output-channel symmetric, ``w ~= s[n] * q[n, k]`` with q in -128..127 and
+  ``s = max|w[n]| / 127``; matmul by ``torch._weight_int8pack_mm(x, q, s)``.
+- ``int4``: group-wise asymmetric along the input dimension, groups of 32, q in 0..15,
+  ``w ~= (q - 8) * scale + zero`` per (row, group) — the convention of
+  ``torch._weight_int4pack_mm_for_cpu`` (see torch ``testing/_internal/common_quantization.py``
+  ``_group_quantize_tensor``: ``scale = (max - min) / 15``, ``zero = min + 8 * scale``); weights
+  packed by ``torch._convert_weight_to_int4pack_for_cpu``. This is the GGUF Q4_1 block format
+  (``w = d * q + m``, blocks of 32 along the row) with ``scale = d``, ``zero = m + 8 d``, so a Q4_1
+  checkpoint re-quantizes onto its own grid: on the bundled SmolLM2 Q4_1 GGUF every group of the
+  210 block matrices spans codes 0..15, the codes recovered from the bf16 weights equal those from
+  the fp32 dequantized GGUF (0 of 106,168,320 differ), and the re-quantized fp32 weights equal the
+  GGUF's exactly; only the kernel's bf16 scale/zero round (max |error| vs the fp32 GGUF weights
+  0.033, against 0.014 for the bf16 weights themselves). ``lm_head`` stays int8 (see
+  ``DEFAULT_LM_HEAD``).
+
+Dispatch by the number of input rows M (= decode batch rows, or prompt tokens in a prefill chunk):
+the packed kernels are memory-bound GEMVs that beat a bf16 GEMM only while M is small (measured on
+the 2-core AVX-512 CPU, one thread, synthetic weights of all SmolLM2-135M linears of one decode
+step, lm_head in the same mode: bf16 / int8 / int4
+= 11.4 / 4.6 / 4.1 ms at M=1, 15.6 / 13.4 / 11.4 at M=6, 13.7 / 14.8 / 13.0 at M=8, 20.6 / 29.5 /
+26.1 at M=16, 403 / 1259 / 970 at M=512). Rows M <= ``max_rows`` use the packed kernel; larger M
+use a dense matmul whose weight comes from
+
+- ``dense="keep"`` (default): the original bf16 weight, kept (+2 bytes/parameter of memory; the
+  tied ``lm_head`` shares the embedding, so it costs nothing there), or
+- ``dense="dequant"``: dequantized on every call (no bf16 copy; int8 dequantizes the kernel's own
+  int8 weight, 1 byte/param in all; int4 keeps an unpacked nibble copy next to the kernel's packed
+  one, 0.5 + 0.5 byte/param). Measured 4.5x (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
+  prefill chunk: only for a model that does not fit twice.
+
+CPU only: these are CPU kernels (CUDA's ``_weight_int4pack_mm`` uses another packing and there is
+no CUDA ``_weight_int8pack_mm``); ``quantize_weights`` raises ValueError for a model on another
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_QUANT_MODES = ("none", "int8", "int4")
+DENSE_MODES = ("keep", "dequant")
+INT4_GROUP = 32
+# Largest M that uses the packed kernel, per mode (crossovers measured as in the module docstring).
+DEFAULT_MAX_ROWS = {"int8": 6, "int4": 6}
+# lm_head (tied to the embedding in SmolLM2, which the GGUF stores as Q8_0, not Q4_1) stays int8 in
+# int4 mode: teacher-forced perplexity on 1,022 ContractNLI tokens, all bf16 20.648; int4 head alone
+# 21.842 (+5.8%), int8 head alone 20.706 (+0.28%), int4 blocks alone 20.632 (-0.08%: the Q4_1 grid),
+# int4 blocks + int8 head 20.672 (+0.12%). bf16 / int8 / int4 head GEMV at M=1: 7.4 / 1.8 / 0.95 ms
+# on one thread.
+DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8"}
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric INT8. w (N, K) float -> q (N, K) int8, scales (N,) float32;
+    w ~= scales[:, None] * q."""
+    wf = w.detach().float()
+    s = wf.abs().amax(1).clamp(min=1e-12) / 127.0  # (N,)
+    q = torch.round(wf / s[:, None]).clamp_(-128, 127).to(torch.int8)  # (N, K)
+    return q, s
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric INT4 along K, torch's ``_group_quantize_tensor`` convention.
+
+    w (N, K) float, K % group == 0 -> q (N, K) uint8 in 0..15, scale (N, K//group) float32,
+    zero (N, K//group) float32, with w ~= (q - 8) * scale + zero per group. Raises ValueError if
+    K is not a multiple of ``group``."""
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"int4 needs in_features ({K}) to be a multiple of the group size {group}")
+    g = w.detach().float().reshape(N, K // group, group)  # (N, G, group)
+    lo, hi = g.amin(-1), g.amax(-1)  # (N, G)
+    scale = (hi - lo).clamp(min=1e-6) / 15.0
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)  # (N, G, group)
+    return q.reshape(N, K), scale, lo + 8.0 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_int4``: q (N, K) uint8, scale/zero (N, G) -> w (N, K) ``dtype``."""
+    N, K = q.shape
+    G = scale.shape[1]
+    w = (q.reshape(N, G, K // G).to(dtype) - 8) * scale[..., None].to(dtype) + zero[..., None].to(dtype)
+    return w.reshape(N, K)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W stored quantized; see the module docstring for modes and dispatch.
+
+    x (..., K) in the model dtype -> y (..., N) in the same dtype. Built by ``from_linear``.
+    """
+
+    def __init__(self, mode: str, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, dense: str):
+        super().__init__()
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
+        if dense not in DENSE_MODES:
+            raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
+        self.mode, self.max_rows, self.dense = mode, int(max_rows), dense
+        self.out_features, self.in_features = weight.shape
+        dt = weight.dtype
+        self.bias = bias  # shared with the source module (nn.Parameter or None)
+        if mode == "int8":
+            q, s = quantize_int8(weight)
+            self.register_buffer("qweight", q)  # (N, K) int8
+            self.register_buffer("scales", s.to(dt))  # (N,)
+        else:
+            q, scale, zero = quantize_int4(weight)
+            N, K = q.shape
+            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # (N, K/2) uint8, kernel layout
+            # (K/group, N, 2): [..., 0] = scale, [..., 1] = zero, the kernel's layout
+            self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).to(dt).contiguous())
+            if dense == "dequant":
+                self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
+        # keep: the original tensor (for a tied lm_head, the embedding itself: no extra memory)
+        self.dense_weight = weight.detach() if dense == "keep" else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep") -> "QuantLinear":
+        return cls(mode, lin.weight.data, lin.bias, max_rows, dense)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the packed kernel multiplies by, (N, K) in the model dtype."""
+        dt = self.scales.dtype if self.mode == "int8" else self.scales_and_zeros.dtype
+        if self.mode == "int8":
+            return self.qweight.to(dt) * self.scales[:, None]
+        if self.dense == "dequant":
+            q = torch.stack([self.qnibbles & 15, self.qnibbles >> 4], -1).reshape(self.out_features, self.in_features)
+        else:  # recover q through the kernel itself: rows of the identity pick columns of W^T
+            eye = torch.eye(self.in_features, dtype=dt, device=self.qweight.device)
+            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
+        sz = self.scales_and_zeros
+        return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t()).to(dt)  # fp32 math, one rounding, like the kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x2.shape[0] <= self.max_rows:
+            x2 = x2.contiguous()
+            if self.mode == "int8":
+                y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)  # (M, N)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, INT4_GROUP, self.scales_and_zeros)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            w = self.dense_weight if self.dense_weight is not None else self.dequantized_weight()
+            y = F.linear(x2, w, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
+                f"max_rows={self.max_rows}, dense={self.dense}")
+
+
+def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
+                     lm_head: str | None = None) -> nn.Module:
+    """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` in place; returns ``model``.
+
+    mode: ``none`` (no-op), ``int8`` or ``int4`` (the block projections). max_rows: largest input
+    row count served by the packed kernel (default ``DEFAULT_MAX_ROWS[mode]``). dense: ``keep`` |
+    ``dequant`` (weights of the M > max_rows path). lm_head: ``none`` | ``int8`` | ``int4``
+    (default ``DEFAULT_LM_HEAD[mode]``, i.e. int8 for both modes, see below). The embedding is not
+    touched (a tied ``lm_head`` quantizes a copy of its values and, with ``keep``, uses the
+    embedding tensor itself as its dense weight).
+
+    Raises ValueError for an unknown mode / dense value, a model not on the CPU, or a layer whose
+    in_features is not a multiple of 32 (int4).
+    """
+    if mode not in WEIGHT_QUANT_MODES:
+        raise ValueError(f"weight quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    if dense not in DENSE_MODES:
+        raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
+    dev = next(model.parameters()).device
+    if dev.type != "cpu":
+        raise ValueError(f"--weight-quant {mode} runs on the CPU only (torch's packed int8/int4 kernels used here "
+                         f"are CPU kernels); the model is on {dev}: use --weight-quant none there")
+    rows = DEFAULT_MAX_ROWS[mode] if max_rows is None else int(max_rows)
+    if rows < 0:
+        raise ValueError("max_rows must be >= 0")
+    for blk in model.layers:
+        for parent in (blk.self_attn, blk.mlp):
+            for name in PROJECTIONS:
+                lin = getattr(parent, name, None)
+                if isinstance(lin, nn.Linear):
+                    setattr(parent, name, QuantLinear.from_linear(lin, mode, rows, dense))
+    head = DEFAULT_LM_HEAD[mode] if lm_head is None else lm_head
+    if head not in WEIGHT_QUANT_MODES:
+        raise ValueError(f"lm_head quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {head!r}")
+    if head != "none" and isinstance(model.lm_head, nn.Linear):
+        model.lm_head = QuantLinear.from_linear(model.lm_head, head, rows, dense)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held by the linear layers: ``packed`` (kernel weights + scales) and ``dense`` (bf16
+    copies kept for the M > max_rows path, excluding a dense weight shared with the embedding)."""
+    emb = model.embed_tokens.weight.data_ptr()
+    out = {"packed": 0, "dense": 0}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            out["packed"] += sum(b.numel() * b.element_size() for b in m.buffers())
+            if m.dense_weight is not None and m.dense_weight.data_ptr() != emb:
+                out["dense"] += m.dense_weight.numel() * m.dense_weight.element_size()
+        elif isinstance(m, nn.Linear) and m.weight.data_ptr() != emb:
+            out["dense"] += m.weight.numel() * m.weight.element_size()
+    return out

@@ -1,0 +1,197 @@
+"""sfcl.model.quant: weight-only INT8 / INT4 linears, M-dispatch, model-level drift, bad flags."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sfcl.model.quant import QuantLinear, dequantize_int4, quantize_int4, quantize_int8, quantize_weights
+
+from conftest import contractnli_docs
+
+
+def _linear(n=96, k=128, bias=False, seed=0) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin
+
+
+def _x(m, k=128, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_matches_dequantized_reference(mode, bias):
+    lin = _linear(bias=bias)
+    q = QuantLinear.from_linear(lin, mode, max_rows=1 << 20)
+    w = q.dequantized_weight().float()  # (N, K)
+    # the quantized weight is close to the original: within half a quantization step
+    step = (lin.weight.float().abs().amax(1, keepdim=True) / 127) if mode == "int8" else \
+        (lin.weight.float().view(96, -1, 32).amax(-1) - lin.weight.float().view(96, -1, 32).amin(-1)).repeat_interleave(32, 1) / 15
+    assert ((w - lin.weight.float()).abs() <= 0.5 * step + 2e-3).all()
+    for m in (1, 3, 16):
+        x = _x(m)
+        ref = x.float() @ w.T + (lin.bias.float() if bias else 0)
+        y = q(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 96)
+        # bf16 output rounding only (relative 2^-8 of the row's magnitude)
+        assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # and it is not simply the bf16 weight: quantization error is visible in the result
+    assert not torch.equal(q(_x(1)), lin(_x(1)))
+
+
+def test_int4_follows_torch_group_convention_and_recovers_q4_1_exactly():
+    g = torch.Generator().manual_seed(2)
+    n, k = 64, 128
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes.view(n, -1, 32)[..., 0], codes.view(n, -1, 32)[..., 1] = 0, 15  # a Q4_1 block spans 0..15
+    d = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
+    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    w = (d.repeat_interleave(32, 1) * codes + m.repeat_interleave(32, 1))  # Q4_1: w = d q + m, fp32
+    q, scale, zero = quantize_int4(w)
+    assert torch.equal(q.long(), codes)
+    torch.testing.assert_close(scale, d, rtol=1e-6, atol=0)
+    torch.testing.assert_close(zero, m + 8 * d, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dequantize_int4(q, scale, zero), w, rtol=0, atol=1e-6)
+
+
+def test_int4_unpacked_copy_matches_the_kernel_packing():
+    lin = _linear(seed=3)
+    keep = QuantLinear.from_linear(lin, "int4", 4, dense="keep")
+    deq = QuantLinear.from_linear(lin, "int4", 4, dense="dequant")
+    # keep recovers W through the kernel (identity input); dequant unpacks our own nibbles
+    torch.testing.assert_close(keep.dequantized_weight(), deq.dequantized_weight(), rtol=0, atol=0)
+
+
+def test_int8_symmetric_per_channel():
+    w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 2.0]])
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.tolist() == [[127, -64, 32], [0, 0, 127]]
+    torch.testing.assert_close(s, torch.tensor([1 / 127, 2 / 127]))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dense", ["keep", "dequant"])
+def test_dispatch_by_rows(mode, dense):
+    lin = _linear(seed=4)
+    q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
+    packed = (lambda x: torch._weight_int8pack_mm(x, q.qweight, q.scales)) if mode == "int8" else \
+        (lambda x: torch._weight_int4pack_mm_for_cpu(x, q.qweight, 32, q.scales_and_zeros))
+    dense_w = lin.weight if dense == "keep" else q.dequantized_weight()
+    x2, x3 = _x(2), _x(3)
+    assert torch.equal(q(x2), packed(x2))
+    assert torch.equal(q(x3), F.linear(x3, dense_w))
+    # rows are counted over all leading dims: (1, 2, K) -> packed, (2, 2, K) -> dense
+    assert torch.equal(q(x2.view(1, 2, -1)), packed(x2).view(1, 2, -1))
+    x4 = _x(4)
+    assert torch.equal(q(x4.view(2, 2, -1)), F.linear(x4, dense_w).view(2, 2, -1))
+
+
+def test_bad_values_error_cleanly():
+    lin = _linear()
+    model = nn.Module()
+    model.layers, model.lm_head = nn.ModuleList(), lin
+    with pytest.raises(ValueError, match="none, int8, int4"):
+        quantize_weights(model, "int3")
+    with pytest.raises(ValueError, match="dense"):
+        quantize_weights(model, "int8", dense="sometimes")
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        QuantLinear.from_linear(nn.Linear(100, 8).to(torch.bfloat16), "int4", 4)
+    from sfcl.config import ModelConfig
+
+    with pytest.raises(ValueError, match="weight_quant"):
+        ModelConfig(weight_quant="int2")
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelConfig(weight_quant="int4", device="cuda")
+    assert quantize_weights(model, "none") is model and model.lm_head is lin
+
+
+def test_cli_flag_maps_to_model_config(capsys):
+    from sfcl.cli import _configs, build_parser, main
+
+    mc, _, _ = _configs(build_parser().parse_args(["serve", "--weight-quant", "int4"]))
+    assert mc.weight_quant == "int4"
+    mc, _, _ = _configs(build_parser().parse_args(["generate", "hi"]))
+    assert mc.weight_quant == "none"
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--weight-quant", "int3"])
+    assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
+    assert main(["serve", "--weight-quant", "int8", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith("sfcl: error: --weight-quant int8 runs on the CPU only")
+
+
+@pytest.mark.parametrize("mode,min_top1,min_cos", [("int8", 0.88, 0.99), ("int4", 0.90, 0.995)])
+def test_model_level_drift_is_small(lm, mode, min_top1, min_cos):
+    """Teacher-forced over 256 NDA tokens, every linear on the packed kernel. Measured (2026-11-30):
+    top-1 next-token agreement with bf16 0.934 (int8) / 0.945 (int4), tap cosine min 0.9966 / 0.9988."""
+    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.llama import AttnBatch
+    from sfcl.model.loader import model_fingerprint
+
+    ids = lm.tokenizer(contractnli_docs(1)[0].text, add_special_tokens=False)["input_ids"][:256]
+
+    def run(model):
+        kv = KVCache(lm.args, 1, len(ids) + 8, torch.bfloat16)
+        o = model(torch.tensor([ids]), AttnBatch(True, torch.tensor([0]), torch.arange(len(ids)), len(ids)), kv, 22,
+                  all_positions=True, want_probs=False)
+        return o.logits[0], o.tap_hidden[0].float()
+
+    qmodel = quantize_weights(copy.deepcopy(lm.model), mode, max_rows=1 << 20)
+    assert sum(isinstance(m, QuantLinear) for m in qmodel.modules()) == 4 * lm.args.n_layers + 1
+    assert isinstance(qmodel.embed_tokens, nn.Embedding) and qmodel.embed_tokens.weight.dtype == torch.bfloat16
+    assert model_fingerprint(lm.args, qmodel) == lm.fingerprint
+    l0, h0 = run(lm.model)
+    l1, h1 = run(qmodel)
+    top1 = (l1.argmax(-1) == l0.argmax(-1)).float().mean().item()
+    assert min_top1 <= top1 < 1.0  # < 1: the quantized weights are really in use
+    assert F.cosine_similarity(h1, h0, dim=-1).min().item() >= min_cos
+
+
+def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
+    """Served with the real dispatch: a 1-stream decode step takes the packed path (M = 1), a
+    prompt's prefill chunk the bf16 one; the answer is real text."""
+    import dataclasses
+
+    from sfcl.config import EngineConfig
+    from sfcl.engine.engine import run_to_completion
+    from sfcl.engine.events import TextDelta
+    from sfcl.engine.request import SamplingParams
+    from sfcl.serving import make_llm_engine
+
+    qlm = dataclasses.replace(lm, model=quantize_weights(copy.deepcopy(lm.model), "int4"))
+    calls = {"int4": 0, "int8": 0, "dense_rows": []}
+    real4, real8, real_linear = torch._weight_int4pack_mm_for_cpu, torch._weight_int8pack_mm, F.linear
+
+    def count4(*a):
+        calls["int4"] += 1
+        return real4(*a)
+
+    def count8(*a):
+        calls["int8"] += 1
+        return real8(*a)
+
+    def count_linear(x, w, b=None):
+        calls["dense_rows"].append(x.shape[0])
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", count4)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", count8)
+    monkeypatch.setattr(F, "linear", count_linear)
+    ids = lm.tokenizer("The Recipient shall keep all Confidential Information", add_special_tokens=False)["input_ids"]
+    eng = make_llm_engine(qlm, None, EngineConfig(max_num_seqs=1, prefix_cache_tokens=0))
+    [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=6, snapshot_mode="off", ignore_eos=True))])
+    text = "".join(e.text for e in ev if isinstance(e, TextDelta))
+    n = lm.args.n_layers
+    # 5 decode steps x 4 block projections on int4; the head (int8) once per forward (prefill + 5)
+    assert calls["int4"] == 5 * 4 * n and calls["int8"] == 6
+    assert calls["dense_rows"] == [len(ids)] * (4 * n)  # the prefill chunk: bf16 weights, M = prompt length
+    assert len(text.strip()) > 0
