@@ -59,3 +59,16 @@ def test_compiled_decode_refuses_prefill_steps(lm):
         cd(torch.zeros(1, 3, dtype=torch.long), step, 3)
     with pytest.raises(ValueError, match="INT8"):
         CompiledDecode(lm.model, KVCache(lm.args, 2, 64, torch.bfloat16, kv_dtype="int8"))
+
+
+def test_compiled_decode_refuses_weight_quantized_models(lm):
+    from sfcl.engine.kv_cache import KVCache
+
+    class Quantized(torch.nn.Module):  # what sfcl.model.quant leaves behind: linears with max_rows
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+            self.proj.max_rows = 6
+
+    with pytest.raises(ValueError, match="weight-quant"):
+        CompiledDecode(Quantized(), KVCache(lm.args, 2, 64, torch.bfloat16))

@@ -6,8 +6,9 @@ dispatches (RMSNorm, RoPE, attention and residual element-wise ops of every laye
 GEMVs. Inductor fuses the element-wise ops into generated C++ loops and removes the Python and
 dispatcher overhead between them; the GEMMs stay library calls. The step is compiled with dynamic
 shapes (``dynamic=True``), so the batch size B and the attended length S are symbolic: in practice
-two graphs cover every decode step (B = 1, which Inductor specialises, and B >= 2), and a new
-length never recompiles. Steps that carry prompt chunks run eager (their structure varies step to
+a few graphs cover every decode step (B = 1, which Inductor specialises, B >= 2, and the full
+batch), compiled at warm-up, and a new length never recompiles. Not combined with
+``--weight-quant``: its kernel switch by batch size made the graphs recompile while serving. Steps that carry prompt chunks run eager (their structure varies step to
 step; they are few in steady decoding), like vLLM, which captures only decode batches.
 
 Compilation happens in ``warmup()`` (tens of seconds on 2 CPU cores, once per process; Inductor
@@ -23,6 +24,7 @@ import logging
 import time
 
 import torch
+import torch._dynamo
 
 from sfcl.model.llama import AttnBatch, LlamaModel, StepBatch, StepOut
 
@@ -40,6 +42,10 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, kv):
         if kv.int8:
             raise ValueError("--compile works with the bf16/fp32 KV cache; the INT8 KV cache runs eager")
+        if any(hasattr(m, "max_rows") for m in model.modules()):
+            # measured: the packed/dense kernel switch keeps recompiling mid-serving (~15-50 s each)
+            raise ValueError("--compile does not combine with --weight-quant (its kernel switch by batch size "
+                             "recompiles while serving); use one or the other")
         self.model, self.kv = model, kv
         raw = functools.partial(LlamaModel.forward_step.__wrapped__, model)  # without inference_mode
         self.fn = torch.compile(raw, dynamic=True)
@@ -50,23 +56,35 @@ class CompiledDecode:
         if step.chunks:
             raise ValueError("CompiledDecode runs decode-only steps")
         self.calls += 1
+        d = step.decode
+        mark = torch._dynamo.mark_dynamic
+        if ids.shape[1] >= 2:  # B: symbolic from the first compile (size 1 is always specialised)
+            for t in (ids, step.positions, step.sample_index, d.positions, d.slots, d.mask):
+                mark(t, 1 if t is ids else 0)
+        if d.mask.shape[3] >= 2:  # S, the attended length
+            mark(d.mask, 3)
         return self.fn(ids, step, self.kv, tap_layer)
 
     @torch.no_grad()
-    def warmup(self, tap_layer: int, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
-        """Compile the graphs decode will use (B = 1 and B >= 2) on dummy rows; returns seconds.
-        Writes one position of KV rows [0, max(batch_sizes)): harmless, rows are rewritten by
-        every prefill before they are read."""
+    def batch_buckets(self) -> list[int]:
+        """Batch sizes compiled at warm-up: 1 (specialised), 2 (generic) and the full batch
+        (measured: without it the first full batch recompiles once, mid-serving)."""
+        return sorted(b for b in {1, 2, self.kv.n_slots} if b <= self.kv.n_slots)
+
+    @torch.no_grad()
+    def warmup(self, tap_layer: int, batch_sizes: list[int] | None = None, S: int = 32) -> float:
+        """Compile every graph decode will use (``batch_buckets()``) on dummy rows attending to
+        S positions (S >= 2, so the length is compiled symbolic, not specialised to 1); returns
+        seconds. Writes position S-1 of KV rows [0, max(batch_sizes)): harmless, rows are
+        rewritten by every prefill before they are read."""
         t0 = time.perf_counter()
         dev = self.kv.k[0].device
-        for B in batch_sizes:
-            if B > self.kv.n_slots:
-                continue
-            pos = torch.zeros(B, dtype=torch.long, device=dev)
-            self.kv.ensure_initialized(B, 1)
+        for B in batch_sizes or self.batch_buckets():
+            pos = torch.full((B,), S - 1, dtype=torch.long, device=dev)
+            self.kv.ensure_initialized(B, S)
             step = StepBatch(positions=pos, chunks=[], sample_index=torch.arange(B, device=dev),
                              decode=AttnBatch(is_prefill=False, slots=torch.arange(B, device=dev), positions=pos,
-                                              kv_len=1, mask=torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev),
+                                              kv_len=S, mask=torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev),
                                               slot_range=(0, B)))
             self(torch.zeros(1, B, dtype=torch.long, device=dev), step, tap_layer)
         self.compile_s = time.perf_counter() - t0

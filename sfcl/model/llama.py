@@ -205,9 +205,9 @@ class Attention(nn.Module):
         B = q.shape[0]
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         g = nh // nkv
-        S = batch.kv_len
+        S = batch.mask.shape[-1]  # == batch.kv_len; read off the tensor so a compiled step keeps B, S symbolic
         kv.write_decode(layer, batch.slots, batch.positions, k, v)  # (B, nkv, hd)
-        rows = slice(*batch.slot_range) if batch.slot_range is not None else batch.slots
+        rows = slice(batch.slot_range[0], batch.slot_range[0] + B) if batch.slot_range is not None else batch.slots
         kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
         # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x.
         qg = q.reshape(B, nkv, g, hd)
