@@ -28,31 +28,10 @@ from sfcl.config import EngineConfig, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
 from sfcl.engine.kv_cache import KVCache
+from sfcl.eval.quality import greedy_agreement, nda_prompts, teacher_forced
 from sfcl.engine.request import SamplingParams
-from sfcl.model.llama import AttnBatch
 from sfcl.model.loader import load_model
 from sfcl.serving import make_llm_engine
-
-QUESTIONS = ("How long do the confidentiality obligations last?", "Which law governs this agreement?",
-             "Who are the parties to this agreement?", "What must the recipient do with confidential "
-             "information when the agreement ends?")
-
-
-@torch.inference_mode()
-def nll(lm, ids: list[int], kv_dtype: str, chunk: int) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood (nats) and token count."""
-    kv = KVCache(lm.args, 1, len(ids) + 16, next(lm.model.parameters()).dtype, kv_dtype=kv_dtype)
-    total, n = 0.0, 0
-    for a in range(0, len(ids) - 1, chunk):
-        b = min(len(ids) - 1, a + chunk)
-        out = lm.model(torch.tensor([ids[a:b]]), AttnBatch(True, torch.tensor([0]), torch.arange(a, b), b), kv, 0,
-                       all_positions=True, want_probs=False)
-        logp = out.logits[0].float().log_softmax(-1)  # (T, V)
-        tgt = torch.tensor(ids[a + 1:b + 1])
-        total -= float(logp.gather(1, tgt[:, None]).sum())
-        n += b - a
-    return total, n
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,35 +54,20 @@ def main() -> int:
     for d in tqdm(docs[: a.docs], desc="perplexity", file=sys.stderr):
         ids = lm.tokenizer(d.text, add_special_tokens=False)["input_ids"][: a.tokens]
         for k in sums:
-            t, n = nll(lm, ids, k, a.chunk)
+            t, n, _ = teacher_forced(lm.model, lm.args, ids, a.chunk, kv_dtype=k)
             sums[k][0] += t
             sums[k][1] += n
     ppl = {k: math.exp(t / n) for k, (t, n) in sums.items()}
     res["perplexity"] = {"bf16": ppl["auto"], "int8": ppl["int8"], "relative_change": ppl["int8"] / ppl["auto"] - 1,
                          "tokens": sums["auto"][1]}
-    prompts = []
-    for i, d in enumerate(docs[: a.prompts]):
-        msg = d.text[:3000] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
-                                                add_generation_prompt=True)
-        prompts.append(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompts = nda_prompts(lm.tokenizer, docs, a.prompts)
     outs = {}
     for k in ("auto", "int8"):
         eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=8, kv_cache_dtype=k, prefix_cache_tokens=0))
         evs = run_to_completion(eng, [(p, SamplingParams(max_tokens=a.gen, snapshot_mode="off")) for p in
                                       tqdm(prompts, desc=f"greedy {k}", file=sys.stderr)])
         outs[k] = ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in evs]
-    agree_tok, total_tok, same = 0, 0, 0
-    for x, y in zip(outs["auto"], outs["int8"]):
-        tx, ty = lm.tokenizer(x)["input_ids"], lm.tokenizer(y)["input_ids"]
-        k = 0
-        while k < min(len(tx), len(ty)) and tx[k] == ty[k]:
-            k += 1
-        agree_tok += k
-        total_tok += max(len(tx), 1)
-        same += x == y
-    res["greedy"] = {"prompts": len(prompts), "prefix_agreement": agree_tok / total_tok,
-                     "identical_answers": same / len(prompts)}
+    res["greedy"] = greedy_agreement(lm.tokenizer, outs["auto"], outs["int8"])
     r = res
     print(f"INT8 KV vs bf16 KV on {lm.name} ({r['date']})")
     print(f"| figure | bf16 KV | INT8 KV | ratio / change | target |\n|---|---|---|---|---|")

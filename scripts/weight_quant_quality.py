@@ -36,34 +36,13 @@ from sfcl.anchors.store import AnchorIndex
 from sfcl.config import EngineConfig, SnapshotConfig, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
-from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.request import SamplingParams
-from sfcl.model.llama import AttnBatch
+from sfcl.eval.quality import greedy_agreement, nda_prompts, teacher_forced
 from sfcl.model.loader import load_model, model_fingerprint
 from sfcl.model.quant import quantize_weights, weight_bytes
 from sfcl.serving import load_anchors, make_llm_engine
 
-QUESTIONS = ("How long do the confidentiality obligations last?", "Which law governs this agreement?",
-             "Who are the parties to this agreement?", "What must the recipient do with confidential "
-             "information when the agreement ends?")
 MODES = ("none", "int8", "int4")
-
-
-@torch.inference_mode()
-def teacher_forced(model, args, ids: list[int], chunk: int, layer: int) -> tuple[float, int, torch.Tensor]:
-    """Summed next-token NLL (nats), token count, and tap hidden states (T-1, H) float32."""
-    kv = KVCache(args, 1, len(ids) + 16, model.embed_tokens.weight.dtype)
-    total, n, taps = 0.0, 0, []
-    for a in range(0, len(ids) - 1, chunk):
-        b = min(len(ids) - 1, a + chunk)
-        out = model(torch.tensor([ids[a:b]]), AttnBatch(True, torch.tensor([0]), torch.arange(a, b), b), kv, layer,
-                    all_positions=True, want_probs=False)
-        logp = out.logits[0].float().log_softmax(-1)  # (T, V)
-        tgt = torch.tensor(ids[a + 1:b + 1])
-        total -= float(logp.gather(1, tgt[:, None]).sum())
-        n += b - a
-        taps.append(out.tap_hidden[0].float())  # (T, H)
-    return total, n, torch.cat(taps)
 
 
 def step_ms(lm, lib, batch: int, steps: int, ids: list[int]) -> float:
@@ -117,7 +96,7 @@ def main() -> int:
         ids = lm.tokenizer(d.text, add_special_tokens=False)["input_ids"][: a.tokens]
         taps = {}
         for m, model in models.items():
-            t, n, taps[m] = teacher_forced(model, lm.args, ids, a.chunk, lib.layer)
+            t, n, taps[m] = teacher_forced(model, lm.args, ids, a.chunk, lib.layer, keep_taps=True)
             sums[m][0] += t
             sums[m][1] += n
         ref_ids = index.search(taps["none"], 1)[1][:, 0]
@@ -137,12 +116,7 @@ def main() -> int:
         served[m] = dataclasses.replace(lm, model=quantize_weights(copy.deepcopy(lm.model), m))
     del models
     if a.prompts:
-        prompts = []
-        for i, d in enumerate(docs[: a.prompts]):
-            msg = d.text[:3000] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
-            text = lm.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
-                                                    add_generation_prompt=True)
-            prompts.append(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompts = nda_prompts(lm.tokenizer, docs, a.prompts)
         outs = {}
         for m, slm in served.items():
             # batch 1 at a time (max_num_seqs=1): every decode step takes the packed-kernel path
@@ -152,19 +126,7 @@ def main() -> int:
             for p in tqdm(prompts, desc=f"greedy {m}", file=sys.stderr):
                 [ev] = run_to_completion(eng, [(p, SamplingParams(max_tokens=a.gen, snapshot_mode="off"))])
                 outs[m].append("".join(e.text for e in ev if isinstance(e, TextDelta)))
-        res["greedy"] = {}
-        for m in modes:
-            agree, total, same = 0, 0, 0
-            for x, y in zip(outs["none"], outs[m]):
-                tx, ty = lm.tokenizer(x)["input_ids"], lm.tokenizer(y)["input_ids"]
-                k = 0
-                while k < min(len(tx), len(ty)) and tx[k] == ty[k]:
-                    k += 1
-                agree += k
-                total += max(len(tx), 1)
-                same += x == y
-            res["greedy"][m] = {"prompts": len(prompts), "prefix_agreement": agree / total,
-                                "identical_answers": same / len(prompts)}
+        res["greedy"] = {m: greedy_agreement(lm.tokenizer, outs["none"], outs[m]) for m in modes}
     if a.speed:
         ids = lm.tokenizer.encode("Write a long story about a contract between two companies and its "
                                   "confidentiality clauses.")
