@@ -59,8 +59,8 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
-                        "compiles for ~1-2 min at startup; needs a C++ compiler on CPU; not with --kv-cache-dtype int8 "
-                        "or --weight-quant")
+                        "compiles for ~0.5-2 min at startup (Inductor caches code under /tmp, so restarts are faster); "
+                        "needs a C++ compiler on CPU; combines with --weight-quant; not with --kv-cache-dtype int8")
     p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
     p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")
     p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")

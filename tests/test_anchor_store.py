@@ -242,12 +242,13 @@ def _brute(vectors16: torch.Tensor, q: np.ndarray, k: int):
     return np.take_along_axis(s, ids, 1), ids
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,int8_rows", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float16, 0),
+                                              (torch.bfloat16, 4), (torch.bfloat16, 9)])
 @pytest.mark.parametrize("k", [1, 3, 10, 500])
-def test_search_matches_brute_force(tmp_path, dtype, k):
+def test_search_matches_brute_force(tmp_path, dtype, int8_rows, k):
     n, d = 300, 32
     lib = load_library(save(tmp_path / "lib", make_arrays(n=n, d=d, seed=1)))
-    index = AnchorIndex(lib, dtype=dtype)
+    index = AnchorIndex(lib, dtype=dtype, int8_rows=int8_rows)  # int8_rows 9: the 9 queries take the int8 path
     rng = np.random.default_rng(7)
     q = rng.normal(size=(9, d)) * rng.uniform(0.01, 50, size=(9, 1))  # unnormalised
     scores, ids = index.search(torch.from_numpy(q).to(torch.float64), k=k)
@@ -274,6 +275,28 @@ def test_search_self_query_and_input_dtypes(lib_dir):
         scores, ids = index.search(qq, k=1)
         assert ids[:, 0].tolist() == [0, 1, 2, 3, 4]
         assert torch.allclose(scores[:, 0], torch.ones(5), atol=1e-2)
+
+
+def test_search_int8_candidates_match_exact_on_many_anchors(tmp_path):
+    """The int8 candidate pass finds the same top-3 as float32 over 4,096 anchors, near and far queries."""
+    n, d = 4096, 64
+    lib = load_library(save(tmp_path / "lib", make_arrays(n=n, d=d, seed=3)))
+    exact, int8 = AnchorIndex(lib), AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4)
+    assert int8.int8.dtype == torch.int8 and int8.int8.shape == (n, d)
+    g = torch.Generator().manual_seed(0)
+    base = lib.vectors[torch.randint(0, n, (64,), generator=g)].float()
+    for noise in (0.05, 0.5, 3.0):
+        q = base + noise * torch.randn(base.shape, generator=g) / d ** 0.5
+        for rows in q.split(4):  # batches of <= 4 rows: the int8 path
+            s_ref, i_ref = exact.search(rows, k=3)
+            s8, i8 = int8.search(rows, k=3)
+            assert torch.equal(i8, i_ref)
+            torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
+
+
+def test_search_int8_rows_validated(lib_dir):
+    with pytest.raises(ValueError, match="int8_rows"):
+        AnchorIndex(load_library(lib_dir), dtype=torch.bfloat16, int8_rows=-1)
 
 
 def test_search_bad_queries(lib_dir):

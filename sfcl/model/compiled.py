@@ -7,9 +7,12 @@ GEMVs. Inductor fuses the element-wise ops into generated C++ loops and removes 
 dispatcher overhead between them; the GEMMs stay library calls. The step is compiled with dynamic
 shapes (``dynamic=True``), so the batch size B and the attended length S are symbolic: in practice
 a few graphs cover every decode step (B = 1, which Inductor specialises, B >= 2, and the full
-batch), compiled at warm-up, and a new length never recompiles. Not combined with
-``--weight-quant``: its kernel switch by batch size made the graphs recompile while serving. Steps that carry prompt chunks run eager (their structure varies step to
-step; they are few in steady decoding), like vLLM, which captures only decode batches.
+batch), compiled at warm-up, and a new length never recompiles. With ``--weight-quant`` the
+packed/dense kernel switch of ``sfcl.model.quant.QuantLinear`` (B <= max_rows) is a guard on B,
+so one more graph covers B > max_rows (measured with TORCH_LOGS=recompiles over batches mixing
+every size 1..16: no recompiles after warm-up). Steps that carry prompt chunks run eager (their
+structure varies step to step; they are few in steady decoding), like vLLM, which captures only
+decode batches.
 
 Compilation happens in ``warmup()`` (tens of seconds on 2 CPU cores, once per process; Inductor
 caches generated code under /tmp/torchinductor_$USER so a restart is faster) so no request pays it.
@@ -42,10 +45,6 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, kv):
         if kv.int8:
             raise ValueError("--compile works with the bf16/fp32 KV cache; the INT8 KV cache runs eager")
-        if any(hasattr(m, "max_rows") for m in model.modules()):
-            # measured: the packed/dense kernel switch keeps recompiling mid-serving (~15-50 s each)
-            raise ValueError("--compile does not combine with --weight-quant (its kernel switch by batch size "
-                             "recompiles while serving); use one or the other")
         self.model, self.kv = model, kv
         raw = functools.partial(LlamaModel.forward_step.__wrapped__, model)  # without inference_mode
         self.fn = torch.compile(raw, dynamic=True)
@@ -67,9 +66,12 @@ class CompiledDecode:
 
     @torch.no_grad()
     def batch_buckets(self) -> list[int]:
-        """Batch sizes compiled at warm-up: 1 (specialised), 2 (generic) and the full batch
-        (measured: without it the first full batch recompiles once, mid-serving)."""
-        return sorted(b for b in {1, 2, self.kv.n_slots} if b <= self.kv.n_slots)
+        """Batch sizes compiled at warm-up: 1 (specialised), 2 (generic), the full batch
+        (measured: without it the first full batch recompiled once, mid-serving) and, with
+        ``--weight-quant``, the first size past the packed-kernel cut (``max_rows + 1``: the
+        packed/dense switch is a guard on B, so each side gets its own graph)."""
+        cuts = {m.max_rows + 1 for m in self.model.modules() if hasattr(m, "max_rows")}
+        return sorted(b for b in {1, 2, self.kv.n_slots} | cuts if 1 <= b <= self.kv.n_slots)
 
     @torch.no_grad()
     def warmup(self, tap_layer: int, batch_sizes: list[int] | None = None, S: int = 32) -> float:
@@ -82,7 +84,9 @@ class CompiledDecode:
         for B in batch_sizes or self.batch_buckets():
             pos = torch.full((B,), S - 1, dtype=torch.long, device=dev)
             self.kv.ensure_initialized(B, S)
-            step = StepBatch(positions=pos, chunks=[], sample_index=torch.arange(B, device=dev),
+            # positions and decode.positions are distinct tensors, as the runner builds them: Dynamo
+            # guards on aliasing between inputs, so a warm-up that aliased them recompiled later
+            step = StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B, device=dev),
                              decode=AttnBatch(is_prefill=False, slots=torch.arange(B, device=dev), positions=pos,
                                               kv_len=S, mask=torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev),
                                               slot_range=(0, B)))
