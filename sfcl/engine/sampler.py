@@ -36,12 +36,16 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     u = torch.stack([torch.rand((), generator=generators[i], device=dev) for i in rows])  # (n,)
     top_p = torch.tensor([max(float(top_ps[i]), MIN_TOP_P) for i in rows], device=dev)  # (n,)
     tok = torch.empty(len(rows), dtype=torch.long, device=dev)
-    nuc = top_p < 1.0
-    plain = ~nuc
-    if bool(plain.any()):
+    # which rows use a nucleus is known on the host: index tensors, not boolean masks, so that on
+    # CUDA nothing here waits for the device (a mask's .any() or mask indexing would sync)
+    nuc_rows = [j for j, i in enumerate(rows) if float(top_ps[i]) < 1.0]
+    plain_rows = [j for j, i in enumerate(rows) if float(top_ps[i]) >= 1.0]
+    if plain_rows:
+        plain = torch.tensor(plain_rows, device=dev)
         cdf = probs[plain].cumsum(-1)  # (m, V)
         tok[plain] = torch.searchsorted(cdf, (u[plain] * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[1] - 1)
-    if bool(nuc.any()):
+    if nuc_rows:
+        nuc = torch.tensor(nuc_rows, device=dev)
         sp, si = probs[nuc].sort(-1, descending=True)  # (m, V)
         keep = sp.cumsum(-1) - sp < top_p[nuc][:, None]  # always keeps the most likely token
         sp = torch.where(keep, sp, torch.zeros((), device=dev))
