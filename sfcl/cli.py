@@ -23,7 +23,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                    help="weights/activations dtype (default bfloat16; ~2x faster than float32 on AVX-512 BF16 CPUs)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the engine (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the engine (serve: for decode steps, default cores - 1 so the HTTP "
+                        "event loop keeps a core; other commands: default torch's)")
     p.add_argument("--cache-dir", default=None,
                    help="cache for converted weights and the default anchor library "
                         "(default $SFCL_CACHE_DIR or ~/.cache/sfcl; put it on local SSD)")
@@ -57,6 +59,8 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768,
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
                         "compiles for ~0.5-2 min at startup (Inductor caches code under /tmp, so restarts are faster); "
@@ -91,7 +95,8 @@ def _configs(a):
                       price_per_hour=a.price_per_hour, max_num_batched_tokens=a.max_num_batched_tokens,
                       kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                       prefix_cache_tokens=a.prefix_cache_tokens, compile=getattr(a, "compile", False),
-                      enforce_eager=getattr(a, "enforce_eager", False))
+                      enforce_eager=getattr(a, "enforce_eager", False),
+                      prefill_threads=getattr(a, "prefill_threads", None))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

@@ -18,7 +18,8 @@ class ModelConfig:
     model: str | None = None  # None: bundled SmolLM2-135M-Instruct; else .gguf path or HF folder
     dtype: str = "bfloat16"  # bfloat16 | float32
     device: str = "cpu"
-    threads: int | None = None  # torch intra-op threads for the engine thread (None: torch default)
+    threads: int | None = None  # torch intra-op threads of the engine thread for decode (None: serve picks
+    # cores - 1, see sfcl.serving.engine_threads; other commands: torch's default)
     weight_quant: str = "none"  # none | int8 | int4: weight-only quantized linears (sfcl.model.quant, CPU)
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ class EngineConfig:
     prefix_cache_tokens: int = 32768  # prefix-cache pool capacity in tokens (0: off)
     compile: bool = False  # torch.compile the decode-only step (sfcl.model.compiled); compiles at startup
     enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
+    prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
+    # (None: same as decode; serve picks all cores, see sfcl.serving.engine_threads)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError("--compile works with the bf16/fp32 KV cache, not --kv-cache-dtype int8")
         if self.price_per_hour < 0:
             raise ValueError("price_per_hour must be >= 0")
+        if self.prefill_threads is not None and self.prefill_threads < 1:
+            raise ValueError("prefill_threads must be >= 1")
         self.priority_tags, self.metric_tags = tuple(self.priority_tags), tuple(self.metric_tags)
 
 

@@ -240,6 +240,30 @@ def test_closed_loop_sends_exactly_n_requests(serve):
         asyncio.run(clients.closed_loop(t, prompts, 0, 1, 4))
 
 
+def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
+    """bench_interleaved: each mode's single and concurrent requests are split into rounds of whole
+    waves and the modes alternate round by round (a, b, a, b); each mode's row pools its rounds."""
+    from sfcl.bench.run import Plan, Results, _split, bench_interleaved
+
+    assert _split(48, 2, 16) == [24, 24] and _split(20, 2, 16) == [20] and _split(8, 3, 2) == [3, 3, 2]
+    url, eng = serve()
+    targets = [(clients.Target(f"sfcl-{m}", url, model="fake-model", headers={"x-sfcl-snapshot": m}), k)
+               for k, m in enumerate(("off", "triggered"))]
+    plan = Plan(workloads=("single", "concurrent"), levels=(2,), single_requests=4, requests_per_level=8,
+                max_tokens=3, longdoc_max_tokens=3, prompts=workloads.short_prompts(8), rounds=2)
+    res = Results()
+    bench_interleaved(targets, plan, res, None)
+    tags = [e[0][0]["content"].split(".")[0] for e in eng.encoded]  # "Ref m0c2r1-3" -> run order
+    runs = list(dict.fromkeys(t.rsplit("-", 1)[0] for t in tags))
+    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref m0sr1", "Ref m1sr1",
+                    "Ref m0c2r0", "Ref m1c2r0", "Ref m0c2r1", "Ref m1c2r1"]
+    rows = {(r.system, r.workload): r for r in res.rows}
+    assert set(rows) == {(f"sfcl-{m}", w) for m in ("off", "triggered") for w in ("single", "concurrent")}
+    assert len(res.samples["sfcl-off|concurrent|c2"]) == 8 and len(res.samples["sfcl-triggered|single|c1"]) == 4
+    assert rows[("sfcl-off", "concurrent")].snapshots_per_1k_tokens is None  # off: no snapshot columns
+    assert rows[("sfcl-triggered", "single")].snapshots_per_1k_tokens is not None
+
+
 # -- process helpers ------------------------------------------------------------------------------
 
 def test_server_process_ready_rss_and_stop(tmp_path):

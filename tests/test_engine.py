@@ -225,3 +225,41 @@ def test_a_repeated_request_reproduces_the_cold_answer_in_bf16(lm):
     _, warm = greedy(eng, ids, n=32)
     assert eng.scheduler.prefix.hits - hits == (len(ids) - 1) // 16 * 16 > 0
     assert warm == cold
+
+
+def test_prompt_steps_run_on_prefill_threads_and_decode_steps_on_decode_threads(lm, nda_prompt):
+    """--prefill-threads: a step computing >= 64 prompt tokens runs on the prefill count, every
+    other step (decode, short prompts) on the decode count; the caller's count is irrelevant."""
+    from sfcl.engine.model_runner import PREFILL_THREADS_MIN_TOKENS
+
+    eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2, prefill_threads=2, prefix_cache_tokens=0),
+                          decode_threads=1)
+    seen = []  # (prompt tokens in the step, torch threads during its forward)
+    fwd = eng.runner.model.forward_step
+
+    def spy(ids, step, *a, **k):
+        seen.append((sum(c.length for c in step.chunks), torch.get_num_threads()))
+        return fwd(ids, step, *a, **k)
+
+    eng.runner.model.forward_step = spy
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        long_p, short_p = nda_prompt[:100], nda_prompt[:20]
+        run_to_completion(eng, [(long_p, SamplingParams(max_tokens=3)), (short_p, SamplingParams(max_tokens=3))])
+    finally:
+        torch.set_num_threads(before)
+    assert any(n >= PREFILL_THREADS_MIN_TOKENS for n, _ in seen) and any(n == 0 for n, _ in seen)
+    for n, threads in seen:
+        assert threads == (2 if n >= PREFILL_THREADS_MIN_TOKENS else 1), seen
+
+
+def test_engine_threads_defaults():
+    from sfcl.serving import engine_threads
+
+    assert engine_threads(None, None, cores=2) == (1, 2)  # decode leaves the event loop a core
+    assert engine_threads(None, None, cores=1) == (1, 1)
+    assert engine_threads(3, None, cores=8) == (3, 8)
+    assert engine_threads(4, 2, cores=8) == (4, 2)
+    with pytest.raises(ValueError, match="prefill_threads"):
+        EngineConfig(prefill_threads=0)

@@ -196,8 +196,13 @@ class ServerProcess:
 
 def sfcl_argv(port: int, *, threads: int, max_num_seqs: int, model: str | None = None, device: str = "cpu",
               extra: Sequence[str] = ()) -> list[str]:
-    """``python -m sfcl.cli serve`` on ``port`` (snapshot mode chosen per request by header)."""
-    argv = [sys.executable, "-m", "sfcl.cli", "serve", "--port", str(port), "--threads", str(threads),
+    """``python -m sfcl.cli serve`` on ``port`` (snapshot mode chosen per request by header).
+
+    ``threads`` CPU threads in all, as the server uses them by default: prompt steps on all of
+    them (``--prefill-threads``), decode steps on one less (``--threads``; the remaining core runs
+    the HTTP event loop that streams the tokens). ``--threads`` in ``extra`` overrides."""
+    argv = [sys.executable, "-m", "sfcl.cli", "serve", "--port", str(port),
+            "--threads", str(max(1, threads - 1)), "--prefill-threads", str(threads),
             "--max-num-seqs", str(max_num_seqs), "--device", device]
     if model:
         argv += ["--model", model]

@@ -3,7 +3,8 @@
 weights (the bundled SmolLM2-135M-Instruct GGUF unless ``--model``), same machine, one run.
 
 Systems run one after another, each alone on the machine; the workloads of one system run in the
-order single -> concurrent levels -> longdoc. Output folder: report.md, report.json, PNG plots and
+order single -> concurrent levels -> longdoc. SFCL's snapshot modes share one server and run the
+single and concurrent workloads in interleaved rounds (``--rounds``), then longdoc per mode. Output folder: report.md, report.json, PNG plots and
 the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
 not an error), 1 when none could be, 2 for bad arguments.
 """
@@ -47,6 +48,7 @@ class Plan:
     docs: list[workloads.LongDoc] = field(default_factory=list)  # one per SFCL mode (prefix cache)
     ignore_eos: bool = True
     warmup_requests: int = 2  # untimed requests (concurrently) before a system's first workload
+    rounds: int = 1  # SFCL's modes run single/concurrent in this many interleaved rounds
 
 
 @dataclass
@@ -166,18 +168,74 @@ def _eos_note(t: clients.Target, plan: Plan) -> str:
     return f"{t.name}: EOS suppressed with `{json.dumps(t.extra_body)}`"
 
 
+def _split(n: int, rounds: int, floor: int) -> list[int]:
+    """n requests as ``rounds`` near-equal parts of at least ``floor`` each (fewer parts if n is small)."""
+    k = max(1, min(rounds, n // max(1, floor)))
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res: Results,
+                      monitor: peers.MemoryMonitor | None) -> None:
+    """The single and concurrent workloads of several targets on ONE server (SFCL's snapshot
+    modes), in ``plan.rounds`` interleaved rounds: off, triggered, always, off, triggered, ...
+    A drift in machine speed during the run (other tenants, thermal, page cache) then hits every
+    mode alike instead of biasing the mode that ran last; each mode's figures pool its rounds
+    (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index)."""
+    import contextlib
+
+    def window():
+        return monitor.window() if monitor else contextlib.nullcontext(None)
+
+    jobs = []  # (workload, level, requests per round)
+    if "single" in plan.workloads:
+        jobs.append(("single", 1, _split(plan.single_requests, plan.rounds, 2)))
+    if "concurrent" in plan.workloads:
+        jobs += [("concurrent", c, _split(max(plan.requests_per_level, c), plan.rounds, c)) for c in plan.levels]
+    for wl, c, parts in jobs:
+        got = {t.name: ([], 0.0, 0) for t, _ in targets}
+        bar = _bar(sum(parts) * len(targets), f"sfcl {wl} c={c} x{len(parts)} rounds")
+        for r, n in enumerate(parts):
+            for t, k in targets:
+                base = sum(parts[:r])
+                prompts = workloads.tagged([plan.prompts[(base + i) % len(plan.prompts)] for i in range(n)],
+                                           f"m{k}{'s' if wl == 'single' else f'c{c}'}r{r}")
+                t0 = time.monotonic()
+                with window() as w:
+                    ss = asyncio.run(clients.closed_loop(t, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
+                samples, wall, rss = got[t.name]
+                got[t.name] = (samples + ss, wall + time.monotonic() - t0,
+                               max(rss, (w.peak_rss or 0) if w is not None else 0))
+        bar.close()
+        for t, _ in targets:
+            samples, wall, rss = got[t.name]
+            res.add(t.name, wl, c, samples, snapshots=t.headers.get("x-sfcl-snapshot") != "off",
+                    wall_s=wall if wl == "concurrent" else None, rss=rss or None)
+
+
 def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
     port = peers.free_port()
     argv = peers.sfcl_argv(port, threads=a.threads, max_num_seqs=max(plan.levels + (1,)), model=a.model,
                            device=a.device, extra=shlex.split(a.sfcl_args))
     with peers.ServerProcess("sfcl", argv, port, out / "logs", ready_path="/health") as srv:
         srv.wait_ready(a.ready_timeout)
+        targets = []
         for k, mode in enumerate(modes):
             t = _target(f"sfcl-{mode}", srv.url, plan, {"x-sfcl-snapshot": mode})
             res.notes.append(_eos_note(t, plan))
-            # each mode gets its own document: a later mode must not find the earlier mode's KV cached
-            doc = plan.docs[k % len(plan.docs)] if plan.docs else None
-            bench_http(t, plan, res, tag=f"m{k}", doc=doc, monitor=srv.monitor, snapshots=mode != "off")
+            targets.append((t, k))
+        if plan.warmup_requests:  # untimed: first-request effects (allocator, caches, lazy init)
+            n = plan.warmup_requests
+            for t, k in targets:
+                asyncio.run(clients.closed_loop(t, workloads.tagged(plan.prompts[:n], f"m{k}w"), n, n, plan.max_tokens))
+        bench_interleaved(targets, plan, res, srv.monitor)
+        if "longdoc" in plan.workloads:
+            no_warm = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
+                              "workloads": ("longdoc",), "warmup_requests": 0})
+            for t, k in targets:
+                # each mode gets its own document: a later mode must not find the earlier mode's KV cached
+                doc = plan.docs[k % len(plan.docs)] if plan.docs else None
+                bench_http(t, no_warm, res, tag=f"m{k}", doc=doc, monitor=srv.monitor,
+                           snapshots=t.headers.get("x-sfcl-snapshot") != "off")
 
 
 def run_llamacpp(a, plan: Plan, res: Results, out: Path) -> None:
@@ -290,10 +348,10 @@ def cmd_bench(a) -> int:
     bad = [w for w in wls if w not in WORKLOADS]
     if bad or not wls:
         raise ValueError(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from {', '.join(WORKLOADS)}")
-    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads) < 1 \
+    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads, a.rounds) < 1 \
             or a.warmup_requests < 0:
-        raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions and "
-                         "--threads must be >= 1, --warmup-requests >= 0")
+        raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions, --rounds "
+                         "and --threads must be >= 1, --warmup-requests >= 0")
     resolve_model(a.model)  # fail early (ModelLoadError -> one line, exit 2)
     levels = _ints(a.concurrency)
     sfcl_modes = [s.split("-", 1)[1] for s in systems if s.startswith("sfcl-")]
@@ -305,7 +363,7 @@ def cmd_bench(a) -> int:
                 requests_per_level=a.requests_per_level, max_tokens=a.max_tokens,
                 longdoc_max_tokens=a.longdoc_max_tokens,
                 prompts=workloads.short_prompts(max(a.single_requests, a.requests_per_level, max(levels))),
-                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests)
+                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests, rounds=a.rounds)
     out = Path(a.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     res = Results()
@@ -385,6 +443,10 @@ def add_parser(sub) -> None:
                    help="requests per concurrency level (at least the level)")
     p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream workload")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
+                        "rounds (off, triggered, always, off, ...; each round whole waves of the level), so a drift "
+                        "in machine speed hits every mode alike; figures pool the rounds")
     p.add_argument("--warmup-requests", type=int, default=2,
                    help="untimed requests sent to each system (concurrently) before it is measured")
     p.add_argument("--no-ignore-eos", action="store_true",

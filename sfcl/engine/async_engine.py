@@ -135,6 +135,9 @@ class EngineThread:
 
     def _run(self) -> None:
         if self._num_threads:
+            # get first: this thread's first parallel op would otherwise re-apply torch's process-wide
+            # count (at::init_num_threads), which the main thread may set after this line
+            torch.get_num_threads()
             torch.set_num_threads(self._num_threads)
         while not self._stop.is_set():
             try:
