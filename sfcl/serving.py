@@ -70,12 +70,20 @@ def load_anchors(lm: LoadedModel, scfg: SnapshotConfig, progress: bool = True) -
     AnchorLibraryError with the reason.
     """
     last: Exception | None = None
-    for attempt in range(1, scfg.anchor_retry + 1):
+    path = Path(scfg.anchors) if scfg.anchors else None
+    if path is None:
+        # A first start builds the default library (1-2 min on 2 cores, with a progress bar) before
+        # the timed loads: --anchor-timeout bounds loading, and a timed-out build kept running in
+        # its thread while each retry started another build of the same directory.
+        try:
+            path = ensure_default_library(lm, scfg, progress)
+        except (AnchorLibraryError, OSError, ValueError) as e:
+            last = AnchorLibraryError(f"building the default anchor library failed: {e}")
+    for attempt in range(1, scfg.anchor_retry + 1 if path is not None else 1):
         t0 = time.monotonic()
         ex = cf.ThreadPoolExecutor(max_workers=1)
         try:
             def work() -> AnchorLibrary:
-                path = Path(scfg.anchors) if scfg.anchors else ensure_default_library(lm, scfg, progress)
                 return load_library(path, expect_fingerprint=lm.fingerprint,
                                     expect_hidden_size=lm.args.hidden_size, expect_model_name=lm.name)
             lib = ex.submit(work).result(timeout=scfg.anchor_timeout_s)
