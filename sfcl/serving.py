@@ -136,8 +136,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         from sfcl.model.compiled import CompiledDecode
 
         compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
-        anchor_log("compiling the decode step (torch.compile, once per process) ...")
-        anchor_log(f"compiled in {compiled.warmup(layer):.0f} s")
+        print("[ENGINE] compiling the decode step (torch.compile, once per process) ...", file=sys.stderr, flush=True)
+        print(f"[ENGINE] compiled in {compiled.warmup(layer):.0f} s", file=sys.stderr, flush=True)
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
                          decode_threads=decode_threads)
