@@ -23,6 +23,8 @@ class ModelConfig:
     weight_quant: str = "none"  # none | int8 | int4: weight-only quantized linears (sfcl.model.quant, CPU)
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError("dtype must be bfloat16, float32 or float16")
         if self.weight_quant not in ("none", "int8", "int4"):

@@ -435,7 +435,8 @@ class AnchorIndex:
     ``max|v| / 127``), through torch's weight-only int8 kernel ``torch._weight_int8pack_mm``; the
     candidates are re-scored in float32 the same way. The search is memory-bound, so reading half
     the bytes halves it: 0.54 vs 2.1 ms for one query over 32,768 x 576 anchors on one thread of
-    this project's CPU; above about 4 rows the bf16 GEMM wins again. 0 turns it off.
+    this project's CPU; above about 4 rows the bf16 GEMM wins again. 0 turns it off; so does a
+    hidden size D that is not a multiple of 16 (the kernel's bf16 path crashes on those).
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, int8_rows: int = 0):
@@ -447,7 +448,8 @@ class AnchorIndex:
         self.stored = None if dtype == torch.float32 else lib.vectors  # f16, for re-scoring
         self.vectors = lib.vectors if dtype == torch.float16 else lib.vectors.to(dtype)
         self.n, self.dim = (int(s) for s in self.vectors.shape)
-        self.int8_rows = int8_rows if dtype != torch.float32 and self.n else 0
+        # torch._weight_int8pack_mm with bf16 input reads past the row end (segfault) unless D % 16 == 0
+        self.int8_rows = int8_rows if dtype != torch.float32 and self.n and self.dim % 16 == 0 else 0
         if self.int8_rows:
             v = lib.vectors.float()  # (N, D)
             scale = v.abs().amax(dim=1).clamp_min(1e-12) / 127  # (N,)
@@ -473,7 +475,7 @@ class AnchorIndex:
             return scores, ids
         c = min(self.n, max(4 * k, k + 16))
         if 0 < q.shape[0] <= self.int8_rows:
-            approx = torch._weight_int8pack_mm(q.to(torch.bfloat16), self.int8, self.int8_scale)  # (B, N)
+            approx = torch._weight_int8pack_mm(q.to(torch.bfloat16).contiguous(), self.int8, self.int8_scale)  # (B, N)
         else:
             approx = q.to(self.dtype) @ self.vectors.T  # (B, N)
         _, cand = torch.topk(approx, c, dim=1)  # (B, c)

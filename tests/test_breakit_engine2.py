@@ -1,0 +1,380 @@
+"""Break-it tests for the features landed on 2026-11-30: int8 anchor candidates, --compile with
+--weight-quant, per-step thread switching, the sampler, interleaved bench rounds."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from sfcl.config import EngineConfig
+from sfcl.engine.events import Finished, TextDelta
+from sfcl.engine.request import SamplingParams
+
+
+# --- 2. CompiledDecode + weight quant -----------------------------------------------------------
+
+def _drive(engine, reqs, abort_rid=None, abort_after=None):
+    """Add reqs [(rid, ids, params)], step until done; abort ``abort_rid`` after it streamed
+    ``abort_after`` deltas. Returns {rid: events}."""
+    ev = defaultdict(list)
+    for rid, ids, p in reqs:
+        for r, e in engine.add_request(rid, ids, p):
+            ev[r].append(e)
+    aborted = False
+    while engine.has_work():
+        for r, e in engine.step():
+            ev[r].append(e)
+        if abort_rid and not aborted and sum(isinstance(e, TextDelta) for e in ev[abort_rid]) >= abort_after:
+            engine.abort(abort_rid)
+            aborted = True
+    return ev
+
+
+def _text(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.slow
+def test_compiled_int8_weights_3_slots_sampling_stop_abort(cache_dir, lm):
+    """--compile + --weight-quant int8 with max_num_seqs=3 (kernel cut 7 > slots): greedy with a
+    stop string, two sampled rows (top_p < 1 and == 1), one aborted mid-decode, a 4th request
+    waiting for a slot: same text as eager, nothing compiled after warm-up."""
+    from conftest import contractnli_docs
+    from sfcl.model.loader import load_model
+    from sfcl.model.quant import quantize_weights
+    from sfcl.serving import make_llm_engine
+
+    ids = lm.tokenizer.encode(contractnli_docs(1)[0].text[:2000])
+    m8 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    quantize_weights(m8.model, "int8")
+    cfg = dict(max_num_seqs=3, max_model_len=512, max_num_batched_tokens=64)
+    eager = make_llm_engine(m8, None, EngineConfig(**cfg))
+    probe = _drive(eager, [("p", ids[:80], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))])
+    full = _text(probe["p"])
+    assert len(full) >= 8
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # a substring of the greedy output: it must stop
+
+    def reqs():
+        return [("g", ids[:80], SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True)),
+                ("s1", ids[:40], SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)),
+                ("s2", ids[:150], SamplingParams(max_tokens=20, temperature=1.0, top_p=1.0, seed=2, ignore_eos=True)),
+                ("w", ids[:25], SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True))]
+
+    a = _drive(make_llm_engine(m8, None, EngineConfig(**cfg)), reqs(), "s2", 5)
+    comp = make_llm_engine(m8, None, EngineConfig(**cfg, compile=True))
+    cd = comp.runner.compiled_decode
+    assert cd.batch_buckets() == [1, 2, 3]
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    b = _drive(comp, reqs(), "s2", 5)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled while serving
+    assert cd.calls > 10
+    for rid in ("g", "s1", "s2", "w"):
+        assert _text(a[rid]) == _text(b[rid]), rid
+    fin = b["g"][-1]
+    assert isinstance(fin, Finished) and fin.stop_sequence == stop and stop not in _text(b["g"])
+    assert not any(isinstance(e, Finished) for e in b["s2"]) or b["s2"][-1].stop_reason != "max_tokens"
+    assert isinstance(b["w"][-1], Finished) and b["w"][-1].completion_tokens == 10
+
+
+def test_compiled_buckets_one_slot(lm):
+    """max_num_seqs=1 with an int4 model: only the B=1 graph (cut 7 > 1 slot)."""
+    import copy
+
+    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.compiled import CompiledDecode
+    from sfcl.model.quant import quantize_weights
+
+    m = quantize_weights(copy.deepcopy(lm.model), "int4")
+    assert CompiledDecode(m, KVCache(lm.args, 1, 64, torch.bfloat16)).batch_buckets() == [1]
+    assert CompiledDecode(m, KVCache(lm.args, 7, 64, torch.bfloat16)).batch_buckets() == [1, 2, 7]
+    m0 = quantize_weights(copy.deepcopy(lm.model), "int8", max_rows=0)  # dense for every B
+    assert CompiledDecode(m0, KVCache(lm.args, 3, 64, torch.bfloat16)).batch_buckets() == [1, 2, 3]
+
+
+# --- 4. sampler -----------------------------------------------------------------------------------
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_sample_empty_and_single_row():
+    from sfcl.engine.sampler import sample
+
+    assert sample(torch.zeros(0, 5), [], [], []).shape == (0,)
+    assert sample(torch.tensor([[0.0, 3.0, 1.0]]), [0.0], [1.0], [None]).tolist() == [1]
+    t = sample(torch.tensor([[0.0, 3.0, 1.0]]), [1.0], [0.5], [_gen(0)])
+    assert t.tolist() == [1] and t.dtype == torch.int64  # nucleus 0.5 keeps only the top token (p=0.84)
+
+
+def test_sample_nonfinite_rows_fall_back_to_argmax():
+    """+inf in a sampled row -> that token; a NaN / all -inf sampled row returns an in-range id;
+    other rows of the batch are unaffected."""
+    from sfcl.engine.sampler import sample
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[0.0, inf, 1.0, 2.0], [-inf, -inf, -inf, -inf], [nan, 1.0, 2.0, 0.0],
+                           [0.0, 0.0, 50.0, 0.0], [1.0, 5.0, 2.0, 0.0]])
+    out = sample(logits, [1.0, 1.0, 0.7, 1.0, 0.0], [1.0, 0.9, 0.5, 1.0, 1.0], [_gen(i) for i in range(5)])
+    assert out[0] == 1 and out[3] == 2 and out[4] == 1
+    assert all(0 <= int(t) < 4 for t in out)
+
+
+def test_sample_mixed_batch_distribution():
+    """Rows mixing greedy, plain temperature, top_p < 1 and top_p == 1: each sampled row's empirical
+    distribution matches softmax(logits / T) restricted to its nucleus."""
+    from sfcl.engine.sampler import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(4, 1)
+    temps, tops = [0.0, 1.0, 0.5, 1.5], [1.0, 1.0, 0.8, 0.95]
+    gens = [None, _gen(1), _gen(2), _gen(3)]
+    n = 3000
+    counts = torch.zeros(4, 5)
+    for _ in range(n):
+        out = sample(logits, temps, tops, gens)
+        counts[torch.arange(4), out] += 1
+    assert counts[0, 0] == n  # greedy
+    for r in (1, 2, 3):
+        p = torch.softmax(logits[r] / temps[r], -1)
+        sp, si = p.sort(descending=True)
+        keep = sp.cumsum(0) - sp < tops[r]
+        want = torch.zeros(5)
+        want[si[keep]] = sp[keep] / sp[keep].sum()
+        got = counts[r] / n
+        assert (got[want == 0] == 0).all(), (r, got, want)
+        assert torch.allclose(got, want, atol=0.03), (r, got, want)
+
+
+def test_sample_seed_reproducible_across_batch_composition():
+    """A seeded row draws the same token whatever rows share its batch (its own generator)."""
+    from sfcl.engine.sampler import sample
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=g)
+    alone = sample(logits[1:2], [0.9], [0.9], [_gen(42)])
+    mixed = sample(logits, [0.0, 0.9, 1.3], [1.0, 0.9, 1.0], [None, _gen(42), _gen(7)])
+    assert alone[0] == mixed[1]
+
+
+# --- 1. AnchorIndex int8 candidate pass ----------------------------------------------------------
+
+def _lib(tmp_path, n, d, vectors=None, seed=0):
+    from test_anchor_store import make_arrays, save
+
+    from sfcl.anchors.store import load_library
+
+    a = make_arrays(n=n, d=d, seed=seed)
+    if vectors is not None:
+        a["vectors"] = vectors
+    return load_library(save(tmp_path / f"lib-{n}-{d}-{seed}", a))
+
+
+@pytest.mark.parametrize("n,d", [(1, 16), (2, 16), (5, 48), (18, 32), (19, 64)])
+@pytest.mark.parametrize("k", [1, 3, 50])
+def test_int8_tiny_libraries_match_exact(tmp_path, n, d, k):
+    """N below the candidate count, k above N: int8 path == float32 path (ids and scores)."""
+    from sfcl.anchors.store import AnchorIndex
+
+    lib = _lib(tmp_path, n, d)
+    q = torch.randn(3, d, generator=torch.Generator().manual_seed(1))
+    s_ref, i_ref = AnchorIndex(lib).search(q, k)
+    s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, k)
+    assert i8.shape == (3, min(k, n))
+    assert torch.equal(i8, i_ref)
+    torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float64])
+def test_int8_query_dtypes_and_norms(tmp_path, dt):
+    from sfcl.anchors.store import AnchorIndex
+
+    lib = _lib(tmp_path, 50, 16)
+    q = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    ex, i8 = AnchorIndex(lib), AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4)
+    for scale in (1.0, 1e-20, 1e15):
+        qq = (q * scale).to(dt)
+        s_ref, i_ref = ex.search(qq, 3)
+        s8, ids8 = i8.search(qq, 3)
+        torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0, equal_nan=True)  # fp16 * 1e15: inf -> NaN both
+        assert torch.equal(ids8, i_ref) or not bool(s_ref.abs().sum() > 0)
+
+
+def test_int8_zero_query_scores_zero(tmp_path):
+    from sfcl.anchors.store import AnchorIndex
+
+    lib = _lib(tmp_path, 50, 16)
+    s, ids = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(torch.zeros(2, 16), 3)
+    assert torch.equal(s, torch.zeros(2, 3)) and ((ids >= 0) & (ids < 50)).all()
+
+
+def test_int8_ties_and_sparse_anchors_same_scores(tmp_path):
+    """Identical anchors (ties) and anchors full of zeros: same scores as float32 (tie order free)."""
+    from sfcl.anchors.store import AnchorIndex
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(1, 16, generator=g).repeat(40, 1)
+    v[20:] = torch.randn(20, 16, generator=g)
+    z = torch.zeros(60, 16)
+    z[torch.arange(60), torch.arange(60) % 16] = 1.0
+    z[::2, 3] = 0.5
+    for vec, n, k in ((v, 40, 3), (v, 40, 25), (z, 60, 5)):
+        lib = _lib(tmp_path, n, 16, vectors=vec, seed=k)
+        q = v[:2] + 0.01 if vec is v else torch.randn(4, 16, generator=g)
+        s_ref, _ = AnchorIndex(lib).search(q, k)
+        s8, ids8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, k)
+        torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
+        assert (ids8.sort(1).values.diff(dim=1) > 0).all()  # no anchor returned twice
+
+
+def test_int8_non_contiguous_queries(tmp_path):
+    """BUG: a (B, D) query that is a transposed view (last dim not contiguous) works on the float32
+    and bf16 paths, but the int8 path raises RuntimeError ('A must be contiguous on the last
+    dimension') from torch._weight_int8pack_mm."""
+    from sfcl.anchors.store import AnchorIndex
+
+    lib = _lib(tmp_path, 50, 16)
+    q = torch.randn(16, 3, generator=torch.Generator().manual_seed(4)).T  # (3, 16), stride (1, 3)
+    s_ref, i_ref = AnchorIndex(lib).search(q, 3)
+    s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, 3)
+    assert torch.equal(i8, i_ref)
+
+
+@pytest.mark.parametrize("d", [8, 24, 33])
+def test_int8_hidden_size_not_multiple_of_16_does_not_crash(tmp_path, d):
+    """BUG: torch._weight_int8pack_mm on CPU needs K % 16 == 0; with another D, AnchorIndex's int8
+    path SEGFAULTS the process (no Python exception). Run in a subprocess so the suite survives."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    _lib(tmp_path, 30, d)  # writes tmp_path / f"lib-30-{d}-0"
+    code = textwrap.dedent(f"""
+        import torch
+        from sfcl.anchors.store import load_library, AnchorIndex
+        lib = load_library({str(tmp_path / f'lib-30-{d}-0')!r})
+        q = torch.randn(2, {d})
+        s_ref, i_ref = AnchorIndex(lib).search(q, 3)
+        s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, 3)
+        assert torch.equal(i8, i_ref), (i8, i_ref)
+        print("OK")
+    """)
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0 and "OK" in r.stdout, f"rc={r.returncode} stderr={r.stderr[-500:]}"
+
+
+def test_quantlinear_int8_bf16_odd_in_features_does_not_crash():
+    """BUG (same kernel): ``--weight-quant int8`` on a bf16 model whose linear in_features is not a
+    multiple of 16 segfaults in torch._weight_int8pack_mm (float32/float16 inputs work). int4
+    rejects K % 32 != 0 with a ValueError; int8 has no such check. Subprocess: the crash kills it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\nfrom sfcl.model.quant import QuantLinear\n"
+            "l = torch.nn.Linear(24, 8, bias=False).bfloat16()\n"
+            "q = QuantLinear.from_linear(l, 'int8', 6)\nx = torch.randn(2, 24).bfloat16()\n"
+            "try:\n    y = q(x)\nexcept ValueError:\n    print('OK'); raise SystemExit\n"
+            "assert torch.allclose(y.float(), l(x).float(), atol=0.1)\nprint('OK')\n")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, f"rc={r.returncode} stderr={r.stderr[-500:]}"
+
+
+# --- 3. threads -----------------------------------------------------------------------------------
+
+def test_engine_threads_defaults_and_explicit():
+    from sfcl.serving import engine_threads
+
+    assert engine_threads(None, None, cores=2) == (1, 2)
+    assert engine_threads(None, None, cores=1) == (1, 1)
+    assert engine_threads(3, None, cores=2) == (3, 3)  # prefill never below decode by default
+    assert engine_threads(1, 4, cores=2) == (1, 4)
+    assert engine_threads(4, 1, cores=8) == (4, 1)  # explicit prefill below decode is honoured
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_serve_threads_non_positive_is_a_clear_error(bad):
+    """BUG: `sfcl serve --threads -1` loads the model, then dies with a RuntimeError traceback from
+    torch.set_num_threads (exit 1); `--threads 0` silently means "default". Expected (like
+    --prefill-threads 0): one line `sfcl: error: ...`, exit 2, before loading anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "sfcl.cli", "serve", "--threads", bad, "--port", "0",
+                        "--model", "/nonexistent/model.gguf"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "threads" in r.stderr and "Traceback" not in r.stderr, r.stderr[-400:]
+
+
+@pytest.mark.parametrize("flag", ["--threads", "--prefill-threads"])
+def test_serve_huge_thread_count_does_not_segfault(flag):
+    """BUG: `sfcl serve --threads 100000` (or --prefill-threads) segfaults (exit 139) inside
+    torch.set_num_threads' OpenMP pool. Expected: a clear `sfcl: error:` (exit 2) or a clamp."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "sfcl.cli", "serve", flag, "100000", "--port", "0",
+                        "--model", "/nonexistent/model.gguf"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("sfcl: error:"), (r.returncode, r.stderr[-300:])
+
+
+def test_runner_switches_threads_per_step():
+    """_use_threads: prefill count for >= PREFILL_THREADS_MIN_TOKENS prompt tokens, decode count
+    otherwise, nothing when either is unset; restores the caller's count afterwards here."""
+    from sfcl.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, ModelRunner
+
+    before = torch.get_num_threads()
+    try:
+        r = ModelRunner.__new__(ModelRunner)
+        r.prefill_threads, r.decode_threads = 2, 1
+        r._use_threads(PREFILL_THREADS_MIN_TOKENS)
+        assert torch.get_num_threads() == 2
+        r._use_threads(PREFILL_THREADS_MIN_TOKENS - 1)
+        assert torch.get_num_threads() == 1
+        r._use_threads(0)
+        assert torch.get_num_threads() == 1
+        r.prefill_threads = None
+        torch.set_num_threads(2)
+        r._use_threads(0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- 5. bench rounds ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,rounds,floor", [(1, 1, 1), (1, 5, 1), (3, 10, 2), (5, 10, 1), (48, 2, 16),
+                                            (47, 3, 16), (8, 3, 2), (100, 7, 4), (2, 0, 1), (4, 2, 0)])
+def test_split_invariants(n, rounds, floor):
+    from sfcl.bench.run import _split
+
+    parts = _split(n, rounds, floor)
+    assert sum(parts) == n and 1 <= len(parts) <= max(1, rounds)
+    assert max(parts) - min(parts) <= 1
+    if n >= floor:
+        assert min(parts) >= floor
+
+
+@pytest.mark.parametrize("rounds", [1, 5])
+def test_bench_interleaved_rounds_edges(serve, rounds):
+    """rounds=1 (one pass per mode) and rounds larger than the requests (falls back to fewer
+    rounds): every request is sent once and pooled into its mode's rows."""
+    from sfcl.bench import clients, workloads
+    from sfcl.bench.run import Plan, Results, bench_interleaved
+
+    url, eng = serve()
+    targets = [(clients.Target(f"sfcl-{m}", url, model="fake-model", headers={"x-sfcl-snapshot": m}), k)
+               for k, m in enumerate(("off", "always"))]
+    plan = Plan(workloads=("single", "concurrent"), levels=(3,), single_requests=3, requests_per_level=4,
+                max_tokens=2, longdoc_max_tokens=2, prompts=workloads.short_prompts(4), rounds=rounds)
+    res = Results()
+    bench_interleaved(targets, plan, res, None)
+    assert len(eng.encoded) == 2 * (3 + 4)
+    assert len(res.samples["sfcl-off|single|c1"]) == 3 and len(res.samples["sfcl-always|concurrent|c3"]) == 4
+    assert all(s.error is None for v in res.samples.values() for s in v)
