@@ -13,6 +13,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SFCL_CACHE_DIR", Path.home() / ".cache" / "sfcl"))
 
 
+MAX_THREADS = 1024  # torch.set_num_threads(100000) segfaults in the OpenMP pool (4096 works)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None  # None: bundled SmolLM2-135M-Instruct; else .gguf path or HF folder
@@ -23,8 +26,8 @@ class ModelConfig:
     weight_quant: str = "none"  # none | int8 | int4: weight-only quantized linears (sfcl.model.quant, CPU)
 
     def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be 1..{MAX_THREADS}, got {self.threads}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError("dtype must be bfloat16, float32 or float16")
         if self.weight_quant not in ("none", "int8", "int4"):
@@ -67,8 +70,8 @@ class EngineConfig:
             raise ValueError("--compile works with the bf16/fp32 KV cache, not --kv-cache-dtype int8")
         if self.price_per_hour < 0:
             raise ValueError("price_per_hour must be >= 0")
-        if self.prefill_threads is not None and self.prefill_threads < 1:
-            raise ValueError("prefill_threads must be >= 1")
+        if self.prefill_threads is not None and not 1 <= self.prefill_threads <= MAX_THREADS:
+            raise ValueError(f"prefill_threads must be 1..{MAX_THREADS}, got {self.prefill_threads}")
         self.priority_tags, self.metric_tags = tuple(self.priority_tags), tuple(self.metric_tags)
 
 

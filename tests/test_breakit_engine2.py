@@ -274,8 +274,8 @@ def test_quantlinear_int8_bf16_odd_in_features_does_not_crash():
 
     code = ("import torch\nfrom sfcl.model.quant import QuantLinear\n"
             "l = torch.nn.Linear(24, 8, bias=False).bfloat16()\n"
-            "q = QuantLinear.from_linear(l, 'int8', 6)\nx = torch.randn(2, 24).bfloat16()\n"
-            "try:\n    y = q(x)\nexcept ValueError:\n    print('OK'); raise SystemExit\n"
+            "x = torch.randn(2, 24).bfloat16()\n"
+            "try:\n    y = QuantLinear.from_linear(l, 'int8', 6)(x)\nexcept ValueError:\n    print('OK'); raise SystemExit\n"
             "assert torch.allclose(y.float(), l(x).float(), atol=0.1)\nprint('OK')\n")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)

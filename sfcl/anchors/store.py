@@ -436,7 +436,11 @@ class AnchorIndex:
     candidates are re-scored in float32 the same way. The search is memory-bound, so reading half
     the bytes halves it: 0.54 vs 2.1 ms for one query over 32,768 x 576 anchors on one thread of
     this project's CPU; above about 4 rows the bf16 GEMM wins again. 0 turns it off; so does a
-    hidden size D that is not a multiple of 16 (the kernel's bf16 path crashes on those).
+    hidden size D that is not a multiple of 16 (the kernel's bf16 path crashes on those). The
+    int8 pass keeps max(16k, k + 48) candidates, deeper than the bf16 pass (int8 rounds coarser).
+    Measured top-3 misses against float32: 400 held-out NDA hidden states on the 32,768- and
+    2,048-anchor libraries, 0 (5 of 1,200 at the bf16 depth); 200 queries into 8 synthetic tight
+    clusters, 36 of 600 (bf16 pass: 74).
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, int8_rows: int = 0):
@@ -475,6 +479,7 @@ class AnchorIndex:
             return scores, ids
         c = min(self.n, max(4 * k, k + 16))
         if 0 < q.shape[0] <= self.int8_rows:
+            c = min(self.n, max(16 * k, k + 48))  # int8 rounds coarser than bf16: a deeper candidate list
             approx = torch._weight_int8pack_mm(q.to(torch.bfloat16).contiguous(), self.int8, self.int8_scale)  # (B, N)
         else:
             approx = q.to(self.dtype) @ self.vectors.T  # (B, N)

@@ -52,6 +52,7 @@ from torch import nn
 WEIGHT_QUANT_MODES = ("none", "int8", "int4")
 DENSE_MODES = ("keep", "dequant")
 INT4_GROUP = 32
+INT8_K_MULTIPLE = 16  # the packed int8 kernel's input size must be a multiple of this
 # Largest M that uses the packed kernel, per mode (crossovers measured as in the module docstring).
 DEFAULT_MAX_ROWS = {"int8": 6, "int4": 6}
 # lm_head (tied to the embedding in SmolLM2, which the GGUF stores as Q8_0, not Q4_1) stays int8 in
@@ -110,6 +111,9 @@ class QuantLinear(nn.Module):
             raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
         self.mode, self.max_rows, self.dense = mode, int(max_rows), dense
         self.out_features, self.in_features = weight.shape
+        if mode == "int8" and self.in_features % INT8_K_MULTIPLE:
+            # torch._weight_int8pack_mm's bf16 kernel segfaults for other K (found by a test)
+            raise ValueError(f"int8 needs in_features ({self.in_features}) to be a multiple of {INT8_K_MULTIPLE}")
         dt = weight.dtype
         self.bias = bias  # shared with the source module (nn.Parameter or None)
         if mode == "int8":
@@ -177,7 +181,7 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     embedding tensor itself as its dense weight).
 
     Raises ValueError for an unknown mode / dense value, a model not on the CPU, or a layer whose
-    in_features is not a multiple of 32 (int4).
+    in_features is not a multiple of 32 (int4) or 16 (int8).
     """
     if mode not in WEIGHT_QUANT_MODES:
         raise ValueError(f"weight quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
