@@ -36,18 +36,10 @@ def _text(events):
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
 
-@pytest.fixture
-def dynamo_reset():
-    """Compiled-engine tests leave Dynamo's caches behind; reset them so later eager tests in
-    the same process (tests/test_quant.py counts kernel calls) see a clean state."""
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("SFCL_HEAVY_TESTS"), reason="~7.5 min of compiling on 2 cores; "
                     "set SFCL_HEAVY_TESTS=1 (tests/test_compiled.py covers int4 + compile in CI)")
-def test_compiled_int8_weights_3_slots_sampling_stop_abort(cache_dir, lm, dynamo_reset):
+def test_compiled_int8_weights_3_slots_sampling_stop_abort(cache_dir, lm):
     """--compile + --weight-quant int8 with max_num_seqs=3 (kernel cut 7 > slots): greedy with a
     stop string, two sampled rows (top_p < 1 and == 1), one aborted mid-decode, a 4th request
     waiting for a slot: same text as eager, nothing compiled after warm-up."""

@@ -12,15 +12,6 @@ from sfcl.model.compiled import CompiledDecode
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _dynamo_reset():
-    """Reset Dynamo's caches after this module: later eager tests in the same process
-    (tests/test_quant.py counts kernel calls) must not meet compiled-model state."""
-    yield
-    import torch._dynamo
-    torch._dynamo.reset()
-
-
 @pytest.fixture(scope="module")
 def nda_prompt(lm):
     from conftest import contractnli_docs

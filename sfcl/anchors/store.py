@@ -477,11 +477,11 @@ class AnchorIndex:
         if self.dtype == torch.float32:
             scores, ids = torch.topk(q @ self.vectors.T, k, dim=1)
             return scores, ids
-        c = min(self.n, max(4 * k, k + 16))
         if 0 < q.shape[0] <= self.int8_rows:
             c = min(self.n, max(16 * k, k + 48))  # int8 rounds coarser than bf16: a deeper candidate list
             approx = torch._weight_int8pack_mm(q.to(torch.bfloat16).contiguous(), self.int8, self.int8_scale)  # (B, N)
         else:
+            c = min(self.n, max(4 * k, k + 16))
             approx = q.to(self.dtype) @ self.vectors.T  # (B, N)
         _, cand = torch.topk(approx, c, dim=1)  # (B, c)
         exact = torch.bmm(self.stored[cand].float(), q.unsqueeze(2)).squeeze(2)  # (B, c)

@@ -4,8 +4,8 @@ weights (the bundled SmolLM2-135M-Instruct GGUF unless ``--model``), same machin
 
 Systems run one after another, each alone on the machine; the workloads of one system run in the
 order single -> concurrent levels -> longdoc. SFCL's snapshot modes share one server and run the
-single and concurrent workloads in interleaved rounds (``--rounds``), then longdoc per mode. Output folder: report.md, report.json, PNG plots and
-the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
+single and concurrent workloads in interleaved rounds (``--rounds``), then longdoc per mode.
+Output folder: report.md, report.json, PNG plots and the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
 not an error), 1 when none could be, 2 for bad arguments.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -103,25 +105,31 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
 
 
+def _window(monitor: peers.MemoryMonitor | None):
+    """The monitor's peak-memory window, or a no-op context yielding None without a monitor."""
+    return monitor.window() if monitor else contextlib.nullcontext(None)
+
+
+def _warmup(target: clients.Target, plan: Plan, tag: str) -> None:
+    """Untimed requests first: first-request effects (allocator, caches, lazy init)."""
+    if plan.warmup_requests:
+        n = plan.warmup_requests
+        asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}w"), n, n, plan.max_tokens))
+
+
 def bench_http(target: clients.Target, plan: Plan, res: Results, *, tag: str, doc: workloads.LongDoc | None,
                monitor: peers.MemoryMonitor | None, snapshots: bool) -> None:
     """Run the plan's workloads against one HTTP target and add the summaries to ``res``."""
-    import contextlib
-
-    def window():
-        return monitor.window() if monitor else contextlib.nullcontext(None)
 
     def figures(w):
         return (w.peak_rss, w.peak_gpu) if w is not None else (None, None)
 
-    if plan.warmup_requests:  # untimed: first-request effects (allocator, caches, lazy init)
-        n = plan.warmup_requests
-        asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}w"), n, n, plan.max_tokens))
+    _warmup(target, plan, tag)
     for wl in plan.workloads:
         if wl == "single":
             n = plan.single_requests
             bar = _bar(n, f"{target.name} single")
-            with window() as w:
+            with _window(monitor) as w:
                 ss = asyncio.run(clients.closed_loop(target, workloads.tagged(plan.prompts[:n], f"{tag}s"), 1, n,
                                                      plan.max_tokens, lambda s: bar.update()))
             bar.close()
@@ -133,7 +141,7 @@ def bench_http(target: clients.Target, plan: Plan, res: Results, *, tag: str, do
                 bar = _bar(n, f"{target.name} c={c}")
                 prompts = workloads.tagged([plan.prompts[i % len(plan.prompts)] for i in range(n)], f"{tag}c{c}")
                 t0 = time.monotonic()
-                with window() as w:
+                with _window(monitor) as w:
                     ss = asyncio.run(clients.closed_loop(target, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
                 wall = time.monotonic() - t0
                 bar.close()
@@ -142,7 +150,7 @@ def bench_http(target: clients.Target, plan: Plan, res: Results, *, tag: str, do
         elif wl == "longdoc" and doc is not None:
             msgs = [doc.messages(i) for i in range(len(doc.questions))]
             bar = _bar(len(msgs), f"{target.name} longdoc")
-            with window() as w:
+            with _window(monitor) as w:
                 ss = asyncio.run(clients.sequential(target, msgs, plan.longdoc_max_tokens, lambda s: bar.update()))
             bar.close()
             rss, gpu = figures(w)
@@ -181,11 +189,6 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
     A drift in machine speed during the run (other tenants, thermal, page cache) then hits every
     mode alike instead of biasing the mode that ran last; each mode's figures pool its rounds
     (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index)."""
-    import contextlib
-
-    def window():
-        return monitor.window() if monitor else contextlib.nullcontext(None)
-
     jobs = []  # (workload, level, requests per round)
     if "single" in plan.workloads:
         jobs.append(("single", 1, _split(plan.single_requests, plan.rounds, 2)))
@@ -195,12 +198,12 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
         got = {t.name: ([], 0.0, 0) for t, _ in targets}
         bar = _bar(sum(parts) * len(targets), f"sfcl {wl} c={c} x{len(parts)} rounds")
         for r, n in enumerate(parts):
+            base = sum(parts[:r])  # this round's first prompt
             for t, k in targets:
-                base = sum(parts[:r])
                 prompts = workloads.tagged([plan.prompts[(base + i) % len(plan.prompts)] for i in range(n)],
                                            f"m{k}{'s' if wl == 'single' else f'c{c}'}r{r}")
                 t0 = time.monotonic()
-                with window() as w:
+                with _window(monitor) as w:
                     ss = asyncio.run(clients.closed_loop(t, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
                 samples, wall, rss = got[t.name]
                 got[t.name] = (samples + ss, wall + time.monotonic() - t0,
@@ -223,14 +226,11 @@ def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
             t = _target(f"sfcl-{mode}", srv.url, plan, {"x-sfcl-snapshot": mode})
             res.notes.append(_eos_note(t, plan))
             targets.append((t, k))
-        if plan.warmup_requests:  # untimed: first-request effects (allocator, caches, lazy init)
-            n = plan.warmup_requests
-            for t, k in targets:
-                asyncio.run(clients.closed_loop(t, workloads.tagged(plan.prompts[:n], f"m{k}w"), n, n, plan.max_tokens))
+        for t, k in targets:
+            _warmup(t, plan, f"m{k}")
         bench_interleaved(targets, plan, res, srv.monitor)
         if "longdoc" in plan.workloads:
-            no_warm = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
-                              "workloads": ("longdoc",), "warmup_requests": 0})
+            no_warm = dataclasses.replace(plan, workloads=("longdoc",), warmup_requests=0)
             for t, k in targets:
                 # each mode gets its own document: a later mode must not find the earlier mode's KV cached
                 doc = plan.docs[k % len(plan.docs)] if plan.docs else None

@@ -78,10 +78,11 @@ class ModelRunner:
         step's one transfer (``sfcl.engine.fused_lookup``; the default on CUDA).
         compiled_decode: ``sfcl.model.compiled.CompiledDecode`` for pure-decode steps (``--compile``).
         prefill_threads, decode_threads: torch threads for steps that compute at least
-        ``PREFILL_THREADS_MIN_TOKENS`` prompt tokens, and for the others (None, either: never switch). Why: a prompt chunk is a compute-bound GEMM that scales with cores
-        (2,437 vs 1,297 prompt tokens/s on 2 vs 1 thread here), while a decode step behind HTTP
-        is faster on one thread less than the cores (the event loop needs one: 14.6 vs 25.6 ms per
-        token on 2 cores), and while a wave of prompts is prefilled few tokens are streamed."""
+        ``PREFILL_THREADS_MIN_TOKENS`` prompt tokens, and for the others (None, either: never
+        switch). Why: a prompt chunk is a compute-bound GEMM that scales with cores (2,437 vs
+        1,297 prompt tokens/s on 2 vs 1 thread here), while a decode step behind HTTP is faster on
+        one thread less than the cores (the event loop needs one: 14.6 vs 25.6 ms per token on 2
+        cores), and while a wave of prompts is prefilled few tokens are streamed."""
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer

@@ -113,8 +113,9 @@ class Snapshotter:
     keyword_boost: extra rules (e.g. from ``--keyword-boost``) added to the library's own.
     steer: kNN-LM settings. context_weight / context_decay: weight and decay of context anchors in
     ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
-    typical cluster member gets confidence 0.5). search_int8_rows: lookups of at most this many
-    rows pick candidates from an int8 copy of the library (``AnchorIndex``, int8_rows).
+    typical cluster member gets confidence 0.5). search_int8_rows: on a CPU model, lookups of at
+    most this many rows pick candidates from an int8 copy of the library (``AnchorIndex``,
+    int8_rows).
     Raises ValueError for incomplete calibration or bad rules.
     """
 
@@ -125,7 +126,9 @@ class Snapshotter:
         self.lib = library
         self.cfg = cfg or TriggerConfig()
         self.cal = Calibration.from_dict(library.calibration)
-        self.index = AnchorIndex(library, dtype=search_dtype, int8_rows=search_int8_rows)
+        # on CUDA the fused lookup searches on the device (DeviceAnchorIndex): no int8 CPU copy to build
+        self.index = AnchorIndex(library, dtype=search_dtype,
+                                 int8_rows=search_int8_rows if class_table.device.type == "cpu" else 0)
         self.class_table = class_table  # (V,) uint8, on the model's device
         self.enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=class_table.device)  # (3,)
         self.top_k = top_k
