@@ -61,6 +61,10 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
+    p.add_argument("--sync-lookup", action="store_true",
+                   help="CPU: run every anchor search inside its step, so a snapshot event precedes its token's "
+                        "text (default: searches of non-steering requests run on a lookup thread during the next "
+                        "step and their event follows the token; steering requests are always searched in the step)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
                         "compiles for ~0.5-2 min at startup (Inductor caches code under /tmp, so restarts are faster); "
@@ -96,7 +100,8 @@ def _configs(a):
                       kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                       prefix_cache_tokens=a.prefix_cache_tokens, compile=getattr(a, "compile", False),
                       enforce_eager=getattr(a, "enforce_eager", False),
-                      prefill_threads=getattr(a, "prefill_threads", None))
+                      prefill_threads=getattr(a, "prefill_threads", None),
+                      overlap_lookup=not getattr(a, "sync_lookup", False))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

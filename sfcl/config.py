@@ -52,6 +52,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode-only step (sfcl.model.compiled); compiles at startup
     enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
     prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
+    overlap_lookup: bool = True  # CPU: anchor searches of non-steering rows overlap the next step (ModelRunner)
     # (None: same as decode; serve picks all cores, see sfcl.serving.engine_threads)
 
     def __post_init__(self) -> None:

@@ -140,7 +140,7 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         print(f"[ENGINE] compiled in {compiled.warmup(layer):.0f} s", file=sys.stderr, flush=True)
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
-                         decode_threads=decode_threads)
+                         decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup)
     if cuda and snap is not None:
         snap.device_index(device)  # upload the search copy now, not in the first step
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,

@@ -262,6 +262,19 @@ def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
     assert len(res.samples["sfcl-off|concurrent|c2"]) == 8 and len(res.samples["sfcl-triggered|single|c1"]) == 4
     assert rows[("sfcl-off", "concurrent")].snapshots_per_1k_tokens is None  # off: no snapshot columns
     assert rows[("sfcl-triggered", "single")].snapshots_per_1k_tokens is not None
+    # per-round throughput of the concurrent level, pooled = tokens / summed wall time
+    per = res.rounds["concurrent|c2"]
+    assert set(per) == {"sfcl-off", "sfcl-triggered"} and all(len(v) == 2 and min(v) > 0 for v in per.values())
+    note = [n for n in res.notes if n.startswith("per-round tok/s at 2 streams")]
+    assert len(note) == 1 and "/sfcl-off: " in note[0]
+
+
+def test_round_note_gives_each_rounds_ratio_to_the_base():
+    from sfcl.bench.run import round_note
+
+    note = round_note(16, {"sfcl-off": [200.0, 220.0], "sfcl-triggered": [196.0, 231.0]}, "sfcl-off")
+    assert note == ("per-round tok/s at 16 streams: sfcl-off 200.0, 220.0; "
+                    "sfcl-triggered 196.0, 231.0 (/sfcl-off: 0.980, 1.050)")
 
 
 # -- process helpers ------------------------------------------------------------------------------

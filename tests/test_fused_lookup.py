@@ -52,7 +52,7 @@ CLAUSE = ("The Receiving Party shall hold the Confidential Information in strict
 def run(lm, lib, fused: bool):
     """Four concurrent requests (off, triggered, always, always + steering with context anchors);
     returns (per-step host-transfer counts, events by request id)."""
-    eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=4, prefix_cache_tokens=0))
+    eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=4, prefix_cache_tokens=0, overlap_lookup=False))
     eng.runner.fused_lookup = fused
     eng.runner.snapshotter.steer = SteerConfig(lambda_max=1.0)
     calls = [0]

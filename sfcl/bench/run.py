@@ -58,6 +58,7 @@ class Results:
     rows: list[Summary] = field(default_factory=list)
     samples: dict[str, list[RequestSample]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    rounds: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # "concurrent|c16" -> system -> tok/s per round
 
     def add(self, system: str, workload: str, c: int, samples: list[RequestSample], *, snapshots: bool,
             wall_s: float | None = None, rss: int | None = None, gpu: int | None = None) -> None:
@@ -205,14 +206,31 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
                 t0 = time.monotonic()
                 with _window(monitor) as w:
                     ss = asyncio.run(clients.closed_loop(t, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
+                dt_s = time.monotonic() - t0
                 samples, wall, rss = got[t.name]
-                got[t.name] = (samples + ss, wall + time.monotonic() - t0,
-                               max(rss, (w.peak_rss or 0) if w is not None else 0))
+                got[t.name] = (samples + ss, wall + dt_s, max(rss, (w.peak_rss or 0) if w is not None else 0))
+                if wl == "concurrent":
+                    per_round = res.rounds.setdefault(f"{wl}|c{c}", {}).setdefault(t.name, [])
+                    per_round.append(round(sum(x.output_tokens for x in ss if x.error is None) / dt_s, 2))
         bar.close()
         for t, _ in targets:
             samples, wall, rss = got[t.name]
             res.add(t.name, wl, c, samples, snapshots=t.headers.get("x-sfcl-snapshot") != "off",
                     wall_s=wall if wl == "concurrent" else None, rss=rss or None)
+        if wl == "concurrent" and len(parts) > 1:
+            res.notes.append(round_note(c, res.rounds[f"{wl}|c{c}"], targets[0][0].name))
+
+
+def round_note(c: int, per_round: dict[str, list[float]], base: str) -> str:
+    """One line: each mode's tok/s per round at level c, and its ratio to ``base`` round by round
+    (the spread of those ratios is the run-to-run noise a pooled ratio carries)."""
+    parts = []
+    for name, v in per_round.items():
+        txt = f"{name} " + ", ".join(f"{x:.1f}" for x in v)
+        if name != base and len(v) == len(per_round[base]):
+            txt += " (/" + base + ": " + ", ".join(f"{x / b:.3f}" if b else "-" for x, b in zip(v, per_round[base])) + ")"
+        parts.append(txt)
+    return f"per-round tok/s at {c} streams: " + "; ".join(parts)
 
 
 def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
@@ -410,7 +428,8 @@ def cmd_bench(a) -> int:
             "loadavg_1min_start_end": [load_start, _loadavg()], "plan": {
                 "workloads": wls, "levels": levels, "single_requests": a.single_requests,
                 "requests_per_level": a.requests_per_level, "max_tokens": a.max_tokens,
-                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos}}
+                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos, "rounds": a.rounds},
+            "per_round_tokens_per_s": res.rounds}
     md = report.markdown(res.rows, checks, meta, res.notes)
     (out / "report.md").write_text(md)
     report.write_json(out / "report.json", res.rows, checks, meta, res.samples)

@@ -311,3 +311,5 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self.thread.stop()
+        if not self.thread.thread.is_alive():  # a step still running past the stop timeout keeps it
+            self.thread.engine.runner.close()

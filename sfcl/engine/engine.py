@@ -3,7 +3,10 @@
 ``step()`` asks the scheduler (torch-free) for a plan, has the model runner execute it (tensors),
 then updates request state from the runner's plain results and turns them into typed events
 (``sfcl.engine.events``): text deltas from the incremental detokenizer, snapshot events, and a
-``Finished`` record per completed request. Single-threaded: ``sfcl.engine.async_engine`` runs it
+``Finished`` record per completed request. A lookup the runner overlaps with the next step
+(``ModelRunner(overlap_lookup=True)``) becomes its snapshot event in that step's update, after its
+token's text and before the next token's (its ``token_index`` names the token), or before
+``Finished`` when it was the request's last token. Single-threaded: ``sfcl.engine.async_engine`` runs it
 on the one thread that owns the model.
 """
 
@@ -16,10 +19,10 @@ from dataclasses import dataclass, field
 
 from sfcl.engine.detokenizer import IncrementalDetokenizer
 from sfcl.engine.events import AnchorHit, EngineEvent, ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
-from sfcl.engine.model_runner import ModelRunner, RunnerOutput, SeqResult
+from sfcl.engine.model_runner import ModelRunner, PendingSnapshot, RunnerOutput, SeqResult
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import Scheduler, SchedulerOutput, Sequence
-from sfcl.snapshot.snapshotter import Binding
+from sfcl.snapshot.snapshotter import Binding, SnapshotHit
 
 log = logging.getLogger("sfcl.engine")
 
@@ -32,6 +35,7 @@ class RequestState:
     trigger_counts: Counter = field(default_factory=Counter)
     anchor_counts: Counter = field(default_factory=Counter)
     bind: Binding | None = None  # library version + keyword boost this request runs with
+    pending: tuple[PendingSnapshot, SeqResult, int] | None = None  # overlapped lookup: (it, token result, index)
 
 
 @dataclass(slots=True)
@@ -58,6 +62,8 @@ class LLMEngine:
         self.eos = set(eos_token_ids)
         self.library = library
         self.requests: dict[str, RequestState] = {}
+        self.pending: dict[str, RequestState] = {}  # requests whose last token's lookup is overlapped
+        self._resolved_n, self._resolved_ms = 0, 0.0  # overlapped lookups resolved so far, their search ms
         self.last_stats = StepStats()
 
     # -- intake (engine thread only) -----------------------------------------------------------
@@ -99,16 +105,20 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         out = self.runner.execute(plan) if not plan.is_empty else RunnerOutput()
         self.scheduler.step_done()
+        n0, ms0 = self._resolved_n, self._resolved_ms
         events = self.update(plan, out)
+        n1, ms1 = self._resolved_n, self._resolved_ms
         self.last_stats = StepStats(prefill_tokens=out.prefill_tokens, decode_batch=out.decode_batch,
                                     prefix_cache_queries=plan.prefix_queries, prefix_cache_hits=plan.prefix_hits,
-                                    generated=len(out.results), lookups=out.lookups, lookup_ms=out.lookup_ms,
+                                    generated=len(out.results), lookups=out.lookups + n1 - n0,
+                                    lookup_ms=out.lookup_ms + ms1 - ms0,
                                     step_ms=(time.perf_counter() - t0) * 1e3,
                                     finished=sum(1 for _, e in events if isinstance(e, Finished)))
         return events
 
     def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[tuple[str, EngineEvent]]:
-        events: list[tuple[str, EngineEvent]] = []
+        # the previous step's overlapped lookups ran during this step's forward: their events first
+        events = [e for st in list(self.pending.values()) for e in self._resolve(st)]
         now = time.monotonic()
         for seq in plan.sampled:
             res = out.results.get(seq.request_id)
@@ -135,7 +145,10 @@ class LLMEngine:
         seq.last_token_s = now
         idx = len(seq.output_ids) - 1
         if res.snapshot is not None:
-            ev.append((rid, self._snapshot_event(st, res, idx)))
+            ev.append((rid, self._snapshot_event(st, res, res.snapshot, idx)))
+        elif res.pending is not None:  # its event comes with the next step (or before Finished)
+            st.pending = (res.pending, res, idx)
+            self.pending[rid] = st
         if res.token_id in self.eos and not seq.params.ignore_eos:
             return ev + self._finish(st, "end_turn", None)
         text, stop_hit = st.detok.add(res.token_id)
@@ -147,8 +160,22 @@ class LLMEngine:
             return ev + self._finish(st, "max_tokens", None)
         return ev
 
-    def _snapshot_event(self, st: RequestState, res: SeqResult, idx: int) -> SnapshotEvent:
-        hit = res.snapshot
+    def _resolve(self, st: RequestState) -> list[tuple[str, EngineEvent]]:
+        """Wait for ``st``'s overlapped lookup and turn it into its snapshot event. A failed search
+        is logged and costs the request that one event, nothing else."""
+        pend, res, idx = st.pending
+        st.pending = None
+        self.pending.pop(st.seq.request_id, None)
+        try:
+            hit = pend.result()
+        except Exception:
+            log.exception("anchor lookup for request %s failed", st.seq.request_id)
+            return []
+        self._resolved_n += 1
+        self._resolved_ms += hit.lookup_ms / len(pend.future.result())  # a search's rows share its time
+        return [(st.seq.request_id, self._snapshot_event(st, res, hit, idx))]
+
+    def _snapshot_event(self, st: RequestState, res: SeqResult, hit: SnapshotHit, idx: int) -> SnapshotEvent:
         lib = st.bind.snap.lib if st.bind is not None else self.library
         ctx = hit.context or [False] * len(hit.anchor_ids)
         rid = st.seq.request_id
@@ -172,7 +199,7 @@ class LLMEngine:
 
     def _finish(self, st: RequestState, reason: str, stop_seq: str | None) -> list[tuple[str, EngineEvent]]:
         seq, rid = st.seq, st.seq.request_id
-        ev: list[tuple[str, EngineEvent]] = []
+        ev: list[tuple[str, EngineEvent]] = self._resolve(st) if st.pending is not None else []
         tail = st.detok.flush()
         if tail:
             ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
@@ -201,6 +228,7 @@ class LLMEngine:
 
     def _drop(self, rid: str) -> None:
         self.requests.pop(rid, None)
+        self.pending.pop(rid, None)  # an aborted request's overlapped lookup finishes unread
         self.runner.release(rid)
 
 

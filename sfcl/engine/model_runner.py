@@ -26,6 +26,8 @@ results ride in the step's one transfer, so a step waits on the device once, loo
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +48,26 @@ from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads
 
+log = logging.getLogger("sfcl.engine")
+
+
+@dataclass(slots=True)
+class PendingSnapshot:
+    """A lookup running on the runner's lookup thread while the engine goes on to the next step
+    (``ModelRunner(overlap_lookup=True)``). ``result()`` waits for it: the engine calls it after
+    the next step's forward, or before the request's ``Finished``."""
+
+    future: cf.Future  # -> list[SnapshotHit], one per row of the batched search
+    row: int  # this sequence's row in that search
+
+    def result(self) -> SnapshotHit:
+        """The hit; re-raises what the search raised."""
+        return self.future.result()[self.row]
+
+
+def _lookup_thread_init() -> None:
+    torch.set_num_threads(1)  # a search of a few rows; the cores belong to the engine's forward
+
 
 @dataclass(slots=True)
 class SeqResult:
@@ -53,7 +75,8 @@ class SeqResult:
     logprob: float  # model log-probability of that token (temperature 1), nats
     entropy: float  # entropy of the model's next-token distribution, nats
     dispersion: float  # snapshot-layer normalised attention entropy of the producing query
-    snapshot: SnapshotHit | None  # set when this token was looked up
+    snapshot: SnapshotHit | None  # set when this token was looked up (and the lookup is done)
+    pending: PendingSnapshot | None = None  # set when this token's lookup runs overlapped
 
 
 @dataclass(slots=True)
@@ -63,7 +86,7 @@ class RunnerOutput:
     restored_tokens: int = 0  # prompt tokens copied from the prefix cache this step
     decode_batch: int = 0
     forward_ms: float = 0.0
-    lookups: int = 0
+    lookups: int = 0  # lookups done in this step (not the overlapped ones: see SeqResult.pending)
     lookup_ms: float = 0.0
 
 
@@ -72,7 +95,7 @@ class ModelRunner:
                  snapshotter: Snapshotter | None = None, device: str = "cpu",
                  context: ContextAnchors | None = None, graphs: DecodeGraphRunner | None = None,
                  fused_lookup: bool = False, compiled_decode=None, prefill_threads: int | None = None,
-                 decode_threads: int | None = None):
+                 decode_threads: int | None = None, overlap_lookup: bool = False):
         """graphs: static-buffer (CUDA-graph) decode for pure-decode steps (None: eager).
         fused_lookup: search every sampled row on the device and bring the results over in the
         step's one transfer (``sfcl.engine.fused_lookup``; the default on CUDA).
@@ -82,7 +105,12 @@ class ModelRunner:
         switch). Why: a prompt chunk is a compute-bound GEMM that scales with cores (2,437 vs
         1,297 prompt tokens/s on 2 vs 1 thread here), while a decode step behind HTTP is faster on
         one thread less than the cores (the event loop needs one: 14.6 vs 25.6 ms per token on 2
-        cores), and while a wave of prompts is prefilled few tokens are streamed."""
+        cores), and while a wave of prompts is prefilled few tokens are streamed.
+        overlap_lookup: run the anchor searches of rows that do not steer on a lookup thread (one
+        torch thread), overlapped with the engine's next step; their ``SeqResult.pending`` is
+        set instead of ``snapshot``. Rows that steer need their hit before the token is emitted
+        and are searched in the step, as are all rows without this flag. Ignored with
+        ``fused_lookup`` (the device search already rides in the step's one transfer)."""
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
@@ -95,6 +123,20 @@ class ModelRunner:
         self.compiled_decode = compiled_decode
         self.graphs, self.fused_lookup = graphs, fused_lookup
         self.prefill_threads, self.decode_threads = prefill_threads, decode_threads
+        self.overlap_lookup = overlap_lookup and not fused_lookup
+        self._lookup_pool: cf.ThreadPoolExecutor | None = None  # started at the first overlapped lookup
+
+    def close(self) -> None:
+        """Stop the lookup thread (lookups already submitted finish first)."""
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=True)
+            self._lookup_pool = None
+
+    def _submit_lookup(self, fn, *args, **kwargs) -> cf.Future:
+        if self._lookup_pool is None:
+            self._lookup_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="sfcl-lookup",
+                                                      initializer=_lookup_thread_init)
+        return self._lookup_pool.submit(fn, *args, **kwargs)
 
     def _use_threads(self, prompt_tokens: int) -> None:
         """Set torch's intra-op threads for this step (see ``prefill_threads``). Explicit counts, not
@@ -241,12 +283,13 @@ class ModelRunner:
             rows = self._to_host(packed).tolist()  # the step's one device->host transfer
         out.forward_ms = (time.perf_counter() - t0) * 1e3
         hits: dict[int, SnapshotHit] = {}
+        pending: dict[int, PendingSnapshot] = {}
         look_rows = [i for i, r in enumerate(rows) if r[4] > 0.5]
         if look_rows:
-            hits = self._lookup(seqs, binds, look_rows, rows, hidden_t, logits_t, slots, out, fused)
+            hits, pending = self._lookup(seqs, binds, look_rows, rows, hidden_t, logits_t, slots, out, fused)
         for i, (seq, r) in enumerate(zip(seqs, rows)):
             out.results[seq.request_id] = SeqResult(token_id=int(r[0]), logprob=r[1], entropy=r[2],
-                                                    dispersion=r[3], snapshot=hits.get(i))
+                                                    dispersion=r[3], snapshot=hits.get(i), pending=pending.get(i))
         return out
 
     @staticmethod
@@ -265,11 +308,13 @@ class ModelRunner:
 
     def _lookup(self, seqs: list[Sequence], binds: list[Binding | None], look_rows: list[int], rows: list[list],
                 hidden_t: torch.Tensor, logits_t: torch.Tensor, slots: torch.Tensor,
-                out: RunnerOutput, fused: fused_lookup.FusedTransfer | None = None) -> dict[int, SnapshotHit]:
+                out: RunnerOutput, fused: fused_lookup.FusedTransfer | None = None
+                ) -> tuple[dict[int, SnapshotHit], dict[int, PendingSnapshot]]:
         """Batched anchor search for the looked-up rows (one per library version) and, for rows
         that steer, the kNN-LM re-sample of their token. Updates ``rows`` in place for steered
         rows (token id, model logprob of the new token). With ``fused`` the searches were done on
-        the device and everything needed came over in the step's one transfer."""
+        the device and everything needed came over in the step's one transfer. Returns the hits
+        by row, and the overlapped searches by row (``overlap_lookup``: rows that do not steer)."""
         steer_rows = [i for i in look_rows if seqs[i].params.steer]
         if fused is not None:
             h_cpu, lg_cpu = fused.hidden_logits(look_rows)  # steering rows only (context search, mixture)
@@ -282,14 +327,26 @@ class ModelRunner:
             else:
                 h_cpu, lg_cpu = self._to_host(h), None
         hits: dict[int, SnapshotHit] = {}
+        pending: dict[int, PendingSnapshot] = {}
         pos = {i: j for j, i in enumerate(look_rows)}
         for snap, idx in _groups([binds[i] for i in look_rows]):
+            names = {i: [TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"]
+                     for i in (look_rows[j] for j in idx)}
+            if self.overlap_lookup and fused is None:  # rows that do not steer: searched on the lookup thread
+                later = [j for j in idx if not seqs[look_rows[j]].params.steer]
+                if later:
+                    lrws = [look_rows[j] for j in later]
+                    fut = self._submit_lookup(snap.lookup, h_cpu[later], boosts=[binds[i].boost for i in lrws],
+                                              triggers=[names[i] for i in lrws])
+                    pending.update((i, PendingSnapshot(fut, r)) for r, i in enumerate(lrws))
+                    idx = [j for j in idx if seqs[look_rows[j]].params.steer]
+                    if not idx:
+                        continue
             rws = [look_rows[j] for j in idx]
-            names = [[TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"] for i in rws]
             got = snap.lookup(h_cpu[idx] if h_cpu is not None else None, boosts=[binds[i].boost for i in rws],
                               context=self.context,
                               context_ids=[seqs[i].request_id if seqs[i].params.steer else None for i in rws],
-                              triggers=names, found=fused.found_for(snap, rws) if fused is not None else None,
+                              triggers=[names[i] for i in rws], found=fused.found_for(snap, rws) if fused is not None else None,
                               search_ms=fused.search_ms[id(snap)] if fused is not None else 0.0)
             out.lookups += len(rws)
             out.lookup_ms += got[0].lookup_ms if got else 0.0
@@ -312,7 +369,7 @@ class ModelRunner:
                     ix = torch.tensor(changed, device=self.device)
                     snap.retoken(torch.tensor([int(rows[i][0]) for i in changed], device=self.device),
                                  slots[ix], self.state)
-        return hits
+        return hits, pending
 
 
 def _groups(binds: list[Binding | None]) -> list[tuple[Snapshotter, list[int]]]:
