@@ -106,11 +106,12 @@ class ModelRunner:
         1,297 prompt tokens/s on 2 vs 1 thread here), while a decode step behind HTTP is faster on
         one thread less than the cores (the event loop needs one: 14.6 vs 25.6 ms per token on 2
         cores), and while a wave of prompts is prefilled few tokens are streamed.
-        overlap_lookup: run the anchor searches of rows that do not steer on a lookup thread (one
-        torch thread), overlapped with the engine's next step; their ``SeqResult.pending`` is
-        set instead of ``snapshot``. Rows that steer need their hit before the token is emitted
-        and are searched in the step, as are all rows without this flag. Ignored with
-        ``fused_lookup`` (the device search already rides in the step's one transfer)."""
+        overlap_lookup: run a step's batched anchor search on a lookup thread (one torch thread),
+        overlapped with the engine's next step; the rows' ``SeqResult.pending`` is set instead of
+        ``snapshot``. Not when a looked-up row steers: its hit must re-sample the token before
+        it is emitted, so that step's search (still one for all its rows) runs in the step, as
+        every search does without this flag. Ignored with ``fused_lookup`` (the device search
+        already rides in the step's one transfer)."""
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
@@ -314,7 +315,7 @@ class ModelRunner:
         that steer, the kNN-LM re-sample of their token. Updates ``rows`` in place for steered
         rows (token id, model logprob of the new token). With ``fused`` the searches were done on
         the device and everything needed came over in the step's one transfer. Returns the hits
-        by row, and the overlapped searches by row (``overlap_lookup``: rows that do not steer)."""
+        by row, and the overlapped searches by row (``overlap_lookup``, no row steering)."""
         steer_rows = [i for i in look_rows if seqs[i].params.steer]
         if fused is not None:
             h_cpu, lg_cpu = fused.hidden_logits(look_rows)  # steering rows only (context search, mixture)
@@ -330,23 +331,18 @@ class ModelRunner:
         pending: dict[int, PendingSnapshot] = {}
         pos = {i: j for j, i in enumerate(look_rows)}
         for snap, idx in _groups([binds[i] for i in look_rows]):
-            names = {i: [TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"]
-                     for i in (look_rows[j] for j in idx)}
-            if self.overlap_lookup and fused is None:  # rows that do not steer: searched on the lookup thread
-                later = [j for j in idx if not seqs[look_rows[j]].params.steer]
-                if later:
-                    lrws = [look_rows[j] for j in later]
-                    fut = self._submit_lookup(snap.lookup, h_cpu[later], boosts=[binds[i].boost for i in lrws],
-                                              triggers=[names[i] for i in lrws])
-                    pending.update((i, PendingSnapshot(fut, r)) for r, i in enumerate(lrws))
-                    idx = [j for j in idx if seqs[look_rows[j]].params.steer]
-                    if not idx:
-                        continue
             rws = [look_rows[j] for j in idx]
+            names = [[TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"] for i in rws]
+            if self.overlap_lookup and fused is None and not any(seqs[i].params.steer for i in rws):
+                # nothing here steers: the search runs on the lookup thread, overlapped with the next step
+                fut = self._submit_lookup(snap.lookup, h_cpu[idx], boosts=[binds[i].boost for i in rws],
+                                          triggers=names)
+                pending.update((i, PendingSnapshot(fut, r)) for r, i in enumerate(rws))
+                continue
             got = snap.lookup(h_cpu[idx] if h_cpu is not None else None, boosts=[binds[i].boost for i in rws],
                               context=self.context,
                               context_ids=[seqs[i].request_id if seqs[i].params.steer else None for i in rws],
-                              triggers=[names[i] for i in rws], found=fused.found_for(snap, rws) if fused is not None else None,
+                              triggers=names, found=fused.found_for(snap, rws) if fused is not None else None,
                               search_ms=fused.search_ms[id(snap)] if fused is not None else 0.0)
             out.lookups += len(rws)
             out.lookup_ms += got[0].lookup_ms if got else 0.0
