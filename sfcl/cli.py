@@ -63,8 +63,8 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
     p.add_argument("--sync-lookup", action="store_true",
                    help="CPU: run every anchor search inside its step, so a snapshot event precedes its token's "
-                        "text (default: searches of non-steering requests run on a lookup thread during the next "
-                        "step and their event follows the token; steering requests are always searched in the step)")
+                        "text (default: a step's search runs on a lookup thread during the next step and its events "
+                        "follow their tokens; a step whose search includes a steering request searches in the step)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
                         "compiles for ~0.5-2 min at startup (Inductor caches code under /tmp, so restarts are faster); "
