@@ -304,6 +304,9 @@ class AsyncEngine:
                 "running": sched.num_running, "waiting": sched.num_waiting,
                 "max_model_len": self.max_model_len, "engine_steps": self.thread.steps,
                 "rss_bytes": _rss_bytes(), "threads": threading.active_count(), "tasks": _task_count(),
+                "torch_threads": {"decode": self.engine.runner.decode_threads or self.thread._num_threads,
+                                  "prefill": self.engine.runner.prefill_threads or self.thread._num_threads},
+                "overlap_lookup": self.engine.runner.overlap_lookup,
                 **self._extra_health}
 
     def finish_all(self) -> None:
