@@ -167,3 +167,42 @@ def test_finish_all_with_a_pending_lookup_whose_event_fails(lm, nda_library):
     assert isinstance(by["r0"][-1], ErrorEvent)
     assert isinstance(by["r1"][-1], Finished) and isinstance(by["r1"][0], SnapshotEvent)
     assert not eng.requests and not eng.pending and eng.scheduler.num_running == 0
+
+
+def test_engine_thread_counts_hold_with_lookups_overlapped(lm, nda_library, monkeypatch):
+    """--prefill-threads with the lookup thread running: every forward of the engine thread still
+    runs on the prefill count (prompt steps) or the decode count (the rest), before and after the
+    lookup thread started (its ``torch.set_num_threads(1)``)."""
+    from sfcl.engine.model_runner import PREFILL_THREADS_MIN_TOKENS
+
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, prefill_threads=2, prefix_cache_tokens=0,
+                                                        overlap_lookup=True), decode_threads=1)
+    seen = []  # (prompt tokens in the step, torch threads during its forward, lookup thread started)
+    fwd = eng.runner.model.forward_step
+
+    def spy(ids, step, *a, **k):
+        seen.append((sum(c.length for c in step.chunks), torch.get_num_threads(),
+                     eng.runner._lookup_pool is not None))
+        return fwd(ids, step, *a, **k)
+
+    # on the instance, through monkeypatch: it also puts back an instance attribute an earlier test
+    # may have left on the session's shared model (tests/test_engine.py did, before a fix elsewhere)
+    monkeypatch.setattr(eng.runner.model, "forward_step", spy)
+    before = torch.get_num_threads()
+    ids = chat(lm, PROMPT * 3)
+    assert len(ids) >= PREFILL_THREADS_MIN_TOKENS
+    p = SamplingParams(max_tokens=4, snapshot_mode="always", ignore_eos=True, temperature=0.0)
+    try:
+        eng.add_request("r0", ids, p)
+        for _ in range(3):
+            eng.step()
+        eng.add_request("r1", ids[:-1], p)  # a second prompt once the lookup thread runs
+        while eng.has_work():
+            eng.step()
+    finally:
+        eng.runner.close()
+        torch.set_num_threads(before)
+    assert any(started and n >= PREFILL_THREADS_MIN_TOKENS for n, _, started in seen)
+    assert any(started and n == 0 for n, _, started in seen)
+    for n, threads, _ in seen:
+        assert threads == (2 if n >= PREFILL_THREADS_MIN_TOKENS else 1), seen
