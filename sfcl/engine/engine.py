@@ -96,7 +96,10 @@ class LLMEngine:
         """End every request now with a proper ``Finished`` (graceful shutdown past its deadline)."""
         events: list[tuple[str, EngineEvent]] = []
         for st in list(self.requests.values()):
-            events.extend(self._finish(st, reason, None))
+            try:  # _finish resolves an overlapped lookup: its event may fail to build
+                events.extend(self._finish(st, reason, None))
+            except Exception:  # that request ends with an error; the others, and the engine thread, go on
+                events.extend(self._fail(st.seq))
         return events
 
     # -- the step ------------------------------------------------------------------------------
@@ -118,7 +121,12 @@ class LLMEngine:
 
     def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[tuple[str, EngineEvent]]:
         # the previous step's overlapped lookups ran during this step's forward: their events first
-        events = [e for st in list(self.pending.values()) for e in self._resolve(st)]
+        events: list[tuple[str, EngineEvent]] = []
+        for st in list(self.pending.values()):
+            try:
+                events.extend(self._resolve(st))
+            except Exception:  # as in _advance: building its event failed, that request ends, no other
+                events.extend(self._fail(st.seq))
         now = time.monotonic()
         for seq in plan.sampled:
             res = out.results.get(seq.request_id)
@@ -128,11 +136,15 @@ class LLMEngine:
             try:
                 events.extend(self._advance(st, res, now))
             except Exception:  # one request's bookkeeping failed: end that request only
-                log.exception("request %s failed in update", seq.request_id)
-                self.scheduler.finish(seq, "aborted")
-                self._drop(seq.request_id)
-                events.append((seq.request_id, ErrorEvent("internal error while processing this request", "api_error")))
+                events.extend(self._fail(seq))
         return events
+
+    def _fail(self, seq: Sequence) -> list[tuple[str, EngineEvent]]:
+        """End ``seq`` with an error after its bookkeeping raised (call inside ``except``)."""
+        log.exception("request %s failed in update", seq.request_id)
+        self.scheduler.finish(seq, "aborted")
+        self._drop(seq.request_id)
+        return [(seq.request_id, ErrorEvent("internal error while processing this request", "api_error"))]
 
     def _advance(self, st: RequestState, res: SeqResult, now: float) -> list[tuple[str, EngineEvent]]:
         seq, rid = st.seq, st.seq.request_id

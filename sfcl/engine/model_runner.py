@@ -135,8 +135,13 @@ class ModelRunner:
 
     def _submit_lookup(self, fn, *args, **kwargs) -> cf.Future:
         if self._lookup_pool is None:
+            mine = torch.get_num_threads()  # the calling (engine) thread's count
             self._lookup_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="sfcl-lookup",
                                                       initializer=_lookup_thread_init)
+            self._lookup_pool.submit(int).result()  # the initializer has run
+            # torch.set_num_threads there also set torch's process-wide default, which a thread started
+            # later (the library reload threads) takes at its first parallel op: give it this thread's back
+            torch.set_num_threads(mine)
         return self._lookup_pool.submit(fn, *args, **kwargs)
 
     def _use_threads(self, prompt_tokens: int) -> None:
