@@ -45,6 +45,30 @@ def lm(cache_dir):
     return load_model(None, dtype=torch.bfloat16, cache_dir=cache_dir)
 
 
+def _model_layout(lm) -> tuple:
+    """What a test must not change in the shared ``lm``: which model object it holds, and per
+    submodule its class, instance attribute names (a method overridden on the instance shows up
+    here) and hook counts."""
+    return (id(lm.model), tuple(
+        (name, type(m), tuple(sorted(vars(m))), len(m._forward_hooks), len(m._forward_pre_hooks))
+        for name, m in lm.model.named_modules()))
+
+
+@pytest.fixture(autouse=True)
+def _lm_left_as_found(request):
+    """The session-scoped ``lm`` is shared by every test: a test that swaps a layer, overrides a
+    method on the model instance or leaves a hook on it fails here, at teardown, instead of
+    changing what later tests run (``copy.deepcopy(lm.model)`` copies such changes along).
+    Copy the model (``copy.deepcopy``) or patch the class with ``monkeypatch`` instead."""
+    if "lm" not in request.fixturenames:
+        yield
+        return
+    lm = request.getfixturevalue("lm")
+    before = _model_layout(lm)
+    yield
+    assert _model_layout(lm) == before, "this test changed the shared session model `lm` in place"
+
+
 @pytest.fixture(scope="session")
 def nda_library(lm, cache_dir):
     """Anchors built from the first 4 ContractNLI NDAs (k-means down to 2,048 anchors)."""

@@ -227,21 +227,25 @@ def test_a_repeated_request_reproduces_the_cold_answer_in_bf16(lm):
     assert warm == cold
 
 
-def test_prompt_steps_run_on_prefill_threads_and_decode_steps_on_decode_threads(lm, nda_prompt):
+def test_prompt_steps_run_on_prefill_threads_and_decode_steps_on_decode_threads(lm, nda_prompt, monkeypatch):
     """--prefill-threads: a step computing >= 64 prompt tokens runs on the prefill count, every
     other step (decode, short prompts) on the decode count; the caller's count is irrelevant."""
     from sfcl.engine.model_runner import PREFILL_THREADS_MIN_TOKENS
+    from sfcl.model.llama import LlamaModel
 
     eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2, prefill_threads=2, prefix_cache_tokens=0),
                           decode_threads=1)
     seen = []  # (prompt tokens in the step, torch threads during its forward)
-    fwd = eng.runner.model.forward_step
+    fwd = LlamaModel.forward_step
 
-    def spy(ids, step, *a, **k):
+    def spy(self, ids, step, *a, **k):
         seen.append((sum(c.length for c in step.chunks), torch.get_num_threads()))
-        return fwd(ids, step, *a, **k)
+        return fwd(self, ids, step, *a, **k)
 
-    eng.runner.model.forward_step = spy
+    # On the class, undone at teardown: `lm` is the session's shared model, and an instance
+    # attribute set here outlived the test (a closure over this model's bound method, which
+    # copy.deepcopy(lm.model) carried along, so a quantized copy later ran these bf16 weights).
+    monkeypatch.setattr(LlamaModel, "forward_step", spy)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
