@@ -245,7 +245,9 @@ def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
     waves and the modes alternate round by round (a, b, a, b); each mode's row pools its rounds."""
     from sfcl.bench.run import Plan, Results, _split, bench_interleaved
 
-    assert _split(48, 2, 16) == [24, 24] and _split(20, 2, 16) == [20] and _split(8, 3, 2) == [3, 3, 2]
+    assert _split(64, 2, 16) == [32, 32] and _split(96, 4, 16) == [32, 32, 16, 16]  # whole waves of 16
+    assert _split(48, 2, 16) == [32, 16] and _split(20, 2, 16) == [20] and _split(8, 3, 2) == [4, 2, 2]
+    assert _split(3, 4, 1) == [1, 1, 1] and _split(1, 2, 1) == [1] and _split(37, 2, 16) == [16, 21]
     url, eng = serve()
     targets = [(clients.Target(f"sfcl-{m}", url, model="fake-model", headers={"x-sfcl-snapshot": m}), k)
                for k, m in enumerate(("off", "triggered"))]

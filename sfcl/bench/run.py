@@ -177,10 +177,19 @@ def _eos_note(t: clients.Target, plan: Plan) -> str:
     return f"{t.name}: EOS suppressed with `{json.dumps(t.extra_body)}`"
 
 
-def _split(n: int, rounds: int, floor: int) -> list[int]:
-    """n requests as ``rounds`` near-equal parts of at least ``floor`` each (fewer parts if n is small)."""
-    k = max(1, min(rounds, n // max(1, floor)))
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+def _split(n: int, rounds: int, wave: int) -> list[int]:
+    """n requests as up to ``rounds`` parts of whole waves (multiples of ``wave``, the level's
+    concurrency), as equal as whole waves allow; what does not fill a wave joins the last part.
+    A closed loop of c clients over a part that is not a multiple of c ends with a partly empty
+    batch, which would lower that round's throughput for a reason that is not the server's."""
+    wave = max(1, wave)
+    waves = n // wave
+    if waves <= 1:
+        return [n]
+    k = min(rounds, waves)
+    parts = [wave * (waves // k + (1 if i < waves % k else 0)) for i in range(k)]
+    parts[-1] += n - waves * wave
+    return parts
 
 
 def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res: Results,
