@@ -27,7 +27,6 @@ results ride in the step's one transfer, so a step waits on the device once, loo
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -47,9 +46,6 @@ from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion
 
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads
-
-log = logging.getLogger("sfcl.engine")
-
 
 @dataclass(slots=True)
 class PendingSnapshot:
