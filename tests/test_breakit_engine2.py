@@ -353,16 +353,19 @@ def test_runner_switches_threads_per_step():
 
 # --- 5. bench rounds ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,rounds,floor", [(1, 1, 1), (1, 5, 1), (3, 10, 2), (5, 10, 1), (48, 2, 16),
-                                            (47, 3, 16), (8, 3, 2), (100, 7, 4), (2, 0, 1), (4, 2, 0)])
-def test_split_invariants(n, rounds, floor):
+@pytest.mark.parametrize("n,rounds,wave", [(1, 1, 1), (1, 5, 1), (3, 10, 2), (5, 10, 1), (48, 2, 16),
+                                           (47, 3, 16), (8, 3, 2), (100, 7, 4), (2, 0, 1), (4, 2, 0), (96, 4, 16)])
+def test_split_invariants(n, rounds, wave):
+    """Rounds are whole waves (multiples of the level's concurrency), as equal as whole waves
+    allow; the requests that do not fill a wave ride with the last round."""
     from sfcl.bench.run import _split
 
-    parts = _split(n, rounds, floor)
+    parts = _split(n, rounds, wave)
+    w = max(1, wave)
     assert sum(parts) == n and 1 <= len(parts) <= max(1, rounds)
-    assert max(parts) - min(parts) <= 1
-    if n >= floor:
-        assert min(parts) >= floor
+    assert all(p % w == 0 for p in parts[:-1]) and all(p >= w for p in parts if n >= w)
+    waves = [p // w for p in parts]
+    assert max(waves) - min(waves) <= 1
 
 
 @pytest.mark.parametrize("rounds", [1, 5])

@@ -186,7 +186,7 @@ def _split(n: int, rounds: int, wave: int) -> list[int]:
     waves = n // wave
     if waves <= 1:
         return [n]
-    k = min(rounds, waves)
+    k = max(1, min(rounds, waves))
     parts = [wave * (waves // k + (1 if i < waves % k else 0)) for i in range(k)]
     parts[-1] += n - waves * wave
     return parts
