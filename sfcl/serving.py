@@ -32,8 +32,13 @@ from sfcl.snapshot.triggers import TriggerConfig
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def tagged_log(tag: str, msg: str) -> None:
+    """One start-up progress line on stderr, ``[TAG] msg``."""
+    print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+
+
 def anchor_log(msg: str) -> None:
-    print(f"[ANCHOR] {msg}", file=sys.stderr, flush=True)
+    tagged_log("ANCHOR", msg)
 
 
 def default_library_path(lm: LoadedModel, scfg: SnapshotConfig) -> Path:
@@ -136,8 +141,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         from sfcl.model.compiled import CompiledDecode
 
         compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
-        print("[ENGINE] compiling the decode step (torch.compile, once per process) ...", file=sys.stderr, flush=True)
-        print(f"[ENGINE] compiled in {compiled.warmup(layer):.0f} s", file=sys.stderr, flush=True)
+        tagged_log("ENGINE", "compiling the decode step (torch.compile, once per process) ...")
+        tagged_log("ENGINE", f"compiled in {compiled.warmup(layer):.0f} s")
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
                          decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup)

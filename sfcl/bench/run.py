@@ -220,7 +220,7 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
                 got[t.name] = (samples + ss, wall + dt_s, max(rss, (w.peak_rss or 0) if w is not None else 0))
                 if wl == "concurrent":
                     per_round = res.rounds.setdefault(f"{wl}|c{c}", {}).setdefault(t.name, [])
-                    per_round.append(round(sum(x.output_tokens for x in ss if x.error is None) / dt_s, 2))
+                    per_round.append(round(summarize(t.name, wl, c, ss, wall_s=dt_s).tokens_per_s or 0.0, 2))
         bar.close()
         for t, _ in targets:
             samples, wall, rss = got[t.name]
