@@ -85,3 +85,19 @@ def test_compiled_decode_with_int4_weights_matches_eager(cache_dir, nda_prompt):
     assert cd.calls > 20  # decode-only steps (others carry prompt chunks and run eager)
     assert _texts(a) == _texts(b)
     assert [ev[-1].completion_tokens for ev in b] == [30, 12, 20, 6, 26, 16, 9, 22]
+
+
+def test_private_function_gets_its_own_code_object():
+    """Each CompiledDecode compiles a private copy of forward_step: Dynamo keeps graphs and guards
+    per code object, and with module guards filtered out a shared one could run another model's
+    graph. The copy behaves as the original."""
+    from sfcl.model.compiled import _private_function
+
+    def f(x, *, y=2):
+        """doc"""
+        return x * y
+
+    g = _private_function(f)
+    assert g.__code__ is not f.__code__ and g.__code__ == f.__code__
+    assert g(3) == f(3) == 6 and g(3, y=4) == 12
+    assert (g.__name__, g.__doc__, g.__kwdefaults__) == (f.__name__, f.__doc__, f.__kwdefaults__)

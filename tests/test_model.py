@@ -103,6 +103,9 @@ def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
 
     # reference: rows 0 and 1 decode one token after their prompts; rows 2 and 3 prefill alone
     ref_kv = KVCache(fp32.args, 4, S_max, torch.float32)
+    # the engine's contract: never-written positions read as zeros (torch.empty may hold NaN, and
+    # a masked position still multiplies its V by probability 0: 0 * NaN = NaN)
+    ref_kv.ensure_initialized(4, S_max)
     for slot in (0, 1):
         prefill(ref_kv, slot, ids[slot][:-1])
     pos = torch.tensor([len(ids[0]) - 1, len(ids[1]) - 1])
@@ -113,6 +116,7 @@ def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
     ref_c = [prefill(ref_kv, slot, ids[slot]) for slot in (2, 3)]
 
     kv = KVCache(fp32.args, 4, S_max, torch.float32)
+    kv.ensure_initialized(4, S_max)
     for slot in (0, 1):
         prefill(kv, slot, ids[slot][:-1])
     flat = [ids[0][-1], ids[1][-1]] + ids[2] + ids[3]

@@ -1,0 +1,86 @@
+"""Time and profile one compiled decode step in process (no HTTP, no scheduler).
+
+Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant int4]
+                                        [--threads 1] [--steps 100] [--profile]
+
+Builds the engine as ``sfcl serve --compile`` does (default model, default anchor library),
+then calls the compiled decode step on dummy rows of B sequences attending to S cache
+positions, and prints the step's p50 / p90 wall time in ms. ``--profile`` adds the
+torch.profiler table of the top operators (self CPU time per step), which is how the Dynamo
+guard time ("TorchDynamo Cache Lookup") and the Python-wrapper time of
+``sfcl.model.compiled.compile_options`` were found. Compiling takes 30 s to a few minutes
+(Inductor caches generated code under /tmp/torchinductor_$USER).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=1, help="B, sequences in the step")
+    ap.add_argument("--length", type=int, default=200, help="S, attended cache positions")
+    ap.add_argument("--weight-quant", default="int4", choices=["none", "int8", "int4"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the server decodes on cores - 1)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--profile", action="store_true", help="print the torch.profiler operator table")
+    a = ap.parse_args(argv)
+
+    from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
+    from sfcl.model.llama import AttnBatch, StepBatch
+    from sfcl.model.loader import load_model
+    from sfcl.serving import DTYPES, load_anchors, make_llm_engine
+
+    torch.set_num_threads(a.threads)
+    mcfg, scfg = ModelConfig(), SnapshotConfig()
+    lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device="cpu", cache_dir=scfg.cache_dir)
+    lib = load_anchors(lm, scfg, False)
+    if a.weight_quant != "none":
+        from sfcl.model.quant import quantize_weights
+
+        quantize_weights(lm.model, a.weight_quant)
+    B, S = a.batch, a.length
+    t0 = time.perf_counter()
+    eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1), compile=True),
+                          scfg)
+    print(f"engine built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    runner = eng.runner
+    cd = runner.compiled_decode
+    pos = torch.full((B,), S - 1, dtype=torch.long)
+
+    def step() -> StepBatch:
+        return StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B),
+                         decode=AttnBatch(is_prefill=False, slots=torch.arange(B), positions=pos.clone(), kv_len=S,
+                                          mask=torch.ones(B, 1, 1, S, dtype=torch.bool), slot_range=(0, B)))
+
+    ids = torch.zeros(1, B, dtype=torch.long)
+    runner.kv.ensure_initialized(B, S)
+    with torch.no_grad():
+        for _ in range(10):
+            cd(ids, step(), runner.tap_layer)
+        ts = []
+        for _ in range(a.steps):
+            st = step()
+            t = time.perf_counter()
+            cd(ids, st, runner.tap_layer)
+            ts.append(time.perf_counter() - t)
+        ts.sort()
+        print(f"decode step B={B} S={S} {a.weight_quant} threads={a.threads}: "
+              f"p50 {ts[len(ts) // 2] * 1e3:.2f} ms, p90 {ts[int(len(ts) * 0.9)] * 1e3:.2f} ms", flush=True)
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            n = 20
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                for _ in range(n):
+                    cd(ids, step(), runner.tap_layer)
+            print(f"(totals over {n} steps)")
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
