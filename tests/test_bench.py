@@ -271,6 +271,32 @@ def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
     assert len(note) == 1 and "/sfcl-off: " in note[0]
 
 
+def test_single_peer_takes_a_turn_in_the_single_stream_rounds_only(serve):
+    """A SinglePeer (llama.cpp's server in ``sfcl bench``) runs its single-stream requests inside
+    SFCL's interleaved rounds, after the modes of each round, and no concurrent level; its row
+    has no snapshot columns and its memory comes from its own monitor."""
+    from sfcl.bench.run import Plan, Results, SinglePeer, bench_interleaved
+
+    url, eng = serve()
+    targets = [(clients.Target(f"sfcl-{m}", url, model="fake-model", headers={"x-sfcl-snapshot": m}), k)
+               for k, m in enumerate(("off", "triggered"))]
+    peer = SinglePeer(clients.Target("llamacpp", url, model="fake-model"), "l", None)
+    plan = Plan(workloads=("single", "concurrent"), levels=(2,), single_requests=4, requests_per_level=4,
+                max_tokens=3, longdoc_max_tokens=3, prompts=workloads.short_prompts(4), rounds=2)
+    res = Results()
+    bench_interleaved(targets, plan, res, None, [peer])
+    tags = [e[0][0]["content"].split(".")[0] for e in eng.encoded]
+    runs = list(dict.fromkeys(t.rsplit("-", 1)[0] for t in tags))
+    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref lsr0", "Ref m0sr1", "Ref m1sr1", "Ref lsr1",
+                    "Ref m0c2r0", "Ref m1c2r0", "Ref m0c2r1", "Ref m1c2r1"]
+    rows = {(r.system, r.workload): r for r in res.rows}
+    assert ("llamacpp", "single") in rows and ("llamacpp", "concurrent") not in rows
+    assert len(res.samples["llamacpp|single|c1"]) == 4
+    assert rows[("llamacpp", "single")].snapshots_per_1k_tokens is None
+    assert set(res.rounds["concurrent|c2"]) == {"sfcl-off", "sfcl-triggered"}
+    assert any(n.startswith("single stream: llamacpp ran its single-stream requests in the same 2") for n in res.notes)
+
+
 def test_round_note_gives_each_rounds_ratio_to_the_base():
     from sfcl.bench.run import round_note
 

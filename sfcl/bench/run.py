@@ -4,7 +4,9 @@ weights (the bundled SmolLM2-135M-Instruct GGUF unless ``--model``), same machin
 
 Systems run one after another, each alone on the machine; the workloads of one system run in the
 order single -> concurrent levels -> longdoc. SFCL's snapshot modes share one server and run the
-single and concurrent workloads in interleaved rounds (``--rounds``), then longdoc per mode.
+single and concurrent workloads in interleaved rounds (``--rounds``), then longdoc per mode. With
+``llamacpp`` in the run, llama.cpp's server starts first and its single-stream requests take their
+turn in those rounds (one server serving at a time; ``--separate-single`` runs them on their own).
 Output folder: report.md, report.json, PNG plots and the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
 not an error), 1 when none could be, 2 for bad arguments.
 """
@@ -26,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from sfcl.bench import clients, peers, report, workloads
 from sfcl.bench.stats import RequestSample, Summary, summarize
@@ -192,28 +195,45 @@ def _split(n: int, rounds: int, wave: int) -> list[int]:
     return parts
 
 
+@dataclass(slots=True)
+class SinglePeer:
+    """A peer server whose single-stream rounds join SFCL's interleaved rounds (``bench_interleaved``):
+    the ``single`` workload of SFCL's modes and of this peer then alternate round by round, so a
+    change in machine speed during the run hits both sides of the single-stream ratio alike."""
+
+    target: clients.Target
+    tag: str  # prompt tag prefix, unique per system ("l" for llama.cpp)
+    monitor: peers.MemoryMonitor | None
+
+
 def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res: Results,
-                      monitor: peers.MemoryMonitor | None) -> None:
+                      monitor: peers.MemoryMonitor | None, single_peers: Sequence[SinglePeer] = ()) -> None:
     """The single and concurrent workloads of several targets on ONE server (SFCL's snapshot
     modes), in ``plan.rounds`` interleaved rounds: off, triggered, always, off, triggered, ...
     A drift in machine speed during the run (other tenants, thermal, page cache) then hits every
     mode alike instead of biasing the mode that ran last; each mode's figures pool its rounds
-    (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index)."""
+    (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index).
+    single_peers: other servers (already warmed up) that take their turn in the single-stream
+    rounds only, after the modes: off, triggered, always, peer, off, ..."""
+    arms = [(t, f"m{k}", monitor, t.headers.get("x-sfcl-snapshot") != "off", False) for t, k in targets]
+    arms += [(p.target, p.tag, p.monitor, False, True) for p in single_peers]
     jobs = []  # (workload, level, requests per round)
     if "single" in plan.workloads:
         jobs.append(("single", 1, _split(plan.single_requests, plan.rounds, 2)))
     if "concurrent" in plan.workloads:
         jobs += [("concurrent", c, _split(max(plan.requests_per_level, c), plan.rounds, c)) for c in plan.levels]
     for wl, c, parts in jobs:
-        got = {t.name: ([], 0.0, 0) for t, _ in targets}
-        bar = _bar(sum(parts) * len(targets), f"sfcl {wl} c={c} x{len(parts)} rounds")
+        mine = [arm for arm in arms if wl == "single" or not arm[4]]
+        got = {t.name: ([], 0.0, 0) for t, *_ in mine}
+        bar = _bar(sum(parts) * len(mine), f"{'sfcl+peers' if len(mine) > len(targets) else 'sfcl'} {wl} c={c} "
+                                           f"x{len(parts)} rounds")
         for r, n in enumerate(parts):
             base = sum(parts[:r])  # this round's first prompt
-            for t, k in targets:
+            for t, tag, mon, _snap, _single_only in mine:
                 prompts = workloads.tagged([plan.prompts[(base + i) % len(plan.prompts)] for i in range(n)],
-                                           f"m{k}{'s' if wl == 'single' else f'c{c}'}r{r}")
+                                           f"{tag}{'s' if wl == 'single' else f'c{c}'}r{r}")
                 t0 = time.monotonic()
-                with _window(monitor) as w:
+                with _window(mon) as w:
                     ss = asyncio.run(clients.closed_loop(t, prompts, c, n, plan.max_tokens, lambda s: bar.update()))
                 dt_s = time.monotonic() - t0
                 samples, wall, rss = got[t.name]
@@ -222,12 +242,16 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
                     per_round = res.rounds.setdefault(f"{wl}|c{c}", {}).setdefault(t.name, [])
                     per_round.append(round(summarize(t.name, wl, c, ss, wall_s=dt_s).tokens_per_s or 0.0, 2))
         bar.close()
-        for t, _ in targets:
+        for t, _tag, _mon, snap, _single_only in mine:
             samples, wall, rss = got[t.name]
-            res.add(t.name, wl, c, samples, snapshots=t.headers.get("x-sfcl-snapshot") != "off",
-                    wall_s=wall if wl == "concurrent" else None, rss=rss or None)
+            res.add(t.name, wl, c, samples, snapshots=snap, wall_s=wall if wl == "concurrent" else None,
+                    rss=rss or None)
         if wl == "concurrent" and len(parts) > 1:
             res.notes.append(round_note(c, res.rounds[f"{wl}|c{c}"], targets[0][0].name))
+        if wl == "single" and single_peers:
+            res.notes.append("single stream: " + ", ".join(p.target.name for p in single_peers) + " ran its "
+                             f"single-stream requests in the same {len(parts)} interleaved round(s) as SFCL's "
+                             "modes (both servers up, one serving at a time)")
 
 
 def round_note(c: int, per_round: dict[str, list[float]], base: str) -> str:
@@ -242,7 +266,7 @@ def round_note(c: int, per_round: dict[str, list[float]], base: str) -> str:
     return f"per-round tok/s at {c} streams: " + "; ".join(parts)
 
 
-def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
+def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path, single_peers: Sequence[SinglePeer] = ()) -> None:
     port = peers.free_port()
     argv = peers.sfcl_argv(port, threads=a.threads, max_num_seqs=max(plan.levels + (1,)), model=a.model,
                            device=a.device, extra=shlex.split(a.sfcl_args))
@@ -255,7 +279,7 @@ def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
             targets.append((t, k))
         for t, k in targets:
             _warmup(t, plan, f"m{k}")
-        bench_interleaved(targets, plan, res, srv.monitor)
+        bench_interleaved(targets, plan, res, srv.monitor, single_peers)
         if "longdoc" in plan.workloads:
             no_warm = dataclasses.replace(plan, workloads=("longdoc",), warmup_requests=0)
             for t, k in targets:
@@ -265,17 +289,23 @@ def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path) -> None:
                            snapshots=t.headers.get("x-sfcl-snapshot") != "off")
 
 
-def run_llamacpp(a, plan: Plan, res: Results, out: Path) -> None:
+@contextlib.contextmanager
+def llamacpp_server(a, plan: Plan, res: Results, out: Path):
+    """Start ``python -m llama_cpp.server`` on the GGUF; yields (its Target, its ServerProcess), or
+    None with a note when llama.cpp is not installed or the model is not a GGUF file. Raises
+    RuntimeError when the server does not come up."""
     from sfcl.model.loader import resolve_model
 
     why = peers.llamacpp_available()
     if why:
         res.notes.append(f"llamacpp skipped: `import llama_cpp.server` failed ({why}); "
                          "`pip install 'llama-cpp-python[server]'` (or `pip install -e .[bench]`)")
+        yield None
         return
     src = resolve_model(a.model)
     if not src.gguf_file:
         res.notes.append("llamacpp skipped: --model is not a .gguf file")
+        yield None
         return
     port = peers.free_port()
     argv = peers.llamacpp_argv(port, str(src.path), threads=a.threads, n_ctx=a.n_ctx, extra=shlex.split(a.llamacpp_args))
@@ -285,8 +315,23 @@ def run_llamacpp(a, plan: Plan, res: Results, out: Path) -> None:
         eos = {str(i): -100.0 for i in peers.gguf_eos_ids(str(src.path))}
         t = _target("llamacpp", srv.url, plan, eos_body={"logit_bias": eos})
         res.notes.append(_eos_note(t, plan))
-        bench_http(t, plan, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
+        yield t, srv
+
+
+def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None) -> None:
+    """llama.cpp's workloads. up: (Target, ServerProcess) of a server already started (and warmed
+    up) by ``llamacpp_server``, whose single-stream workload already ran interleaved with SFCL's."""
+    if up is not None:
+        t, srv = up
+        rest = dataclasses.replace(plan, workloads=tuple(w for w in plan.workloads if w != "single"), warmup_requests=0)
+        bench_http(t, rest, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
                    snapshots=False)
+        return
+    with llamacpp_server(a, plan, res, out) as got:
+        if got is not None:
+            t, srv = got
+            bench_http(t, plan, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
+                       snapshots=False)
 
 
 def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
@@ -396,21 +441,34 @@ def cmd_bench(a) -> int:
     res = Results()
     t0 = time.monotonic()
     load_start = _loadavg()
-    steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out))] if sfcl_modes else [])
+    stack = contextlib.ExitStack()
+    up = None  # llama.cpp started first, so its single-stream rounds interleave with SFCL's
+    if "llamacpp" in systems and sfcl_modes and "single" in wls and not a.separate_single:
+        try:
+            up = stack.enter_context(llamacpp_server(a, plan, res, out))
+        except (RuntimeError, OSError) as e:
+            res.notes.append(f"llamacpp failed: {e}")
+            print(f"sfcl bench: llamacpp failed: {str(e).splitlines()[0]}", file=sys.stderr)
+        if up is not None:
+            _warmup(up[0], plan, "l")
+    single_peers = [SinglePeer(up[0], "l", up[1].monitor)] if up is not None else []
+    steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
     steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
-    steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out))] if "llamacpp" in systems else []
+    if "llamacpp" in systems and (up is not None or a.separate_single or not sfcl_modes or "single" not in wls):
+        steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out, up))]
     for name, url in peer_urls:
         def peer(name=name, url=url):
             t = _target(name, url, plan)
             res.notes.append(_eos_note(t, plan) + "; peak RSS not measured (not started by sfcl bench)")
             bench_http(t, plan, res, tag="p", doc=docs[0] if docs else None, monitor=None, snapshots=False)
         steps.append((name, peer))
-    for name, fn in steps:
-        try:
-            fn()
-        except (RuntimeError, OSError) as e:
-            res.notes.append(f"{name} failed: {e}")
-            print(f"sfcl bench: {name} failed: {str(e).splitlines()[0]}", file=sys.stderr)
+    with stack:
+        for name, fn in steps:
+            try:
+                fn()
+            except (RuntimeError, OSError) as e:
+                res.notes.append(f"{name} failed: {e}")
+                print(f"sfcl bench: {name} failed: {str(e).splitlines()[0]}", file=sys.stderr)
     if "llamacpp" in systems:
         res.notes.append("llamacpp: llama-cpp-python's `llama_cpp.server` serves requests one at a time (no parallel "
                          "slots): concurrent requests queue in the server, so its throughput stays flat and its TTFT "
@@ -475,6 +533,10 @@ def add_parser(sub) -> None:
                    help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
                         "rounds (off, triggered, always, off, ...; each round whole waves of the level), so a drift "
                         "in machine speed hits every mode alike; figures pool the rounds")
+    p.add_argument("--separate-single", action="store_true",
+                   help="run llama.cpp's single-stream workload on its own after SFCL's (default: llama.cpp's "
+                        "server starts first and its single-stream requests take a turn in each of SFCL's rounds, "
+                        "so machine-speed drift hits both sides of the single-stream ratio alike)")
     p.add_argument("--warmup-requests", type=int, default=2,
                    help="untimed requests sent to each system (concurrently) before it is measured")
     p.add_argument("--no-ignore-eos", action="store_true",

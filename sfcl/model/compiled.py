@@ -14,8 +14,11 @@ every size 1..16: no recompiles after warm-up). Steps that carry prompt chunks r
 structure varies step to step; they are few in steady decoding), like vLLM, which captures only
 decode batches.
 
-Compilation happens in ``warmup()`` (tens of seconds on 2 CPU cores, once per process; Inductor
-caches generated code under /tmp/torchinductor_$USER so a restart is faster) so no request pays it.
+Per step, what is left around the kernels is kept small: Dynamo checks no guards on the model's
+modules (``_guard_filter``) and, on CPU, Inductor's C++ wrapper calls the kernels
+(``compile_options``). Compilation happens in ``warmup()`` (about 5 min on 2 CPU cores the first
+time, once per process; Inductor caches generated code under /tmp/torchinductor_$USER, so a
+restart takes ~35 s) so no request pays it.
 Requires a C++ compiler on CPU (Inductor's C++ backend). The block-wise INT8 KV path has
 data-dependent Python control flow and stays eager (``CompiledDecode`` refuses it).
 """
