@@ -323,7 +323,10 @@ def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None
     up) by ``llamacpp_server``, whose single-stream workload already ran interleaved with SFCL's."""
     if up is not None:
         t, srv = up
-        rest = dataclasses.replace(plan, workloads=tuple(w for w in plan.workloads if w != "single"), warmup_requests=0)
+        # single ran in SFCL's rounds, unless those did not run (SFCL's server failed): then it runs here
+        done = f"{t.name}|single|c1" in res.samples
+        rest = dataclasses.replace(plan, workloads=tuple(w for w in plan.workloads if w != "single" or not done),
+                                   warmup_requests=0)
         bench_http(t, rest, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
                    snapshots=False)
         return
@@ -441,28 +444,27 @@ def cmd_bench(a) -> int:
     res = Results()
     t0 = time.monotonic()
     load_start = _loadavg()
-    stack = contextlib.ExitStack()
-    up = None  # llama.cpp started first, so its single-stream rounds interleave with SFCL's
-    if "llamacpp" in systems and sfcl_modes and "single" in wls and not a.separate_single:
-        try:
-            up = stack.enter_context(llamacpp_server(a, plan, res, out))
-        except (RuntimeError, OSError) as e:
-            res.notes.append(f"llamacpp failed: {e}")
-            print(f"sfcl bench: llamacpp failed: {str(e).splitlines()[0]}", file=sys.stderr)
-        if up is not None:
-            _warmup(up[0], plan, "l")
-    single_peers = [SinglePeer(up[0], "l", up[1].monitor)] if up is not None else []
-    steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
-    steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
-    if "llamacpp" in systems and (up is not None or a.separate_single or not sfcl_modes or "single" not in wls):
-        steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out, up))]
-    for name, url in peer_urls:
-        def peer(name=name, url=url):
-            t = _target(name, url, plan)
-            res.notes.append(_eos_note(t, plan) + "; peak RSS not measured (not started by sfcl bench)")
-            bench_http(t, plan, res, tag="p", doc=docs[0] if docs else None, monitor=None, snapshots=False)
-        steps.append((name, peer))
-    with stack:
+    with contextlib.ExitStack() as stack:  # stops llama.cpp's server however this block ends
+        up = None  # llama.cpp started first, so its single-stream rounds interleave with SFCL's
+        if "llamacpp" in systems and sfcl_modes and "single" in wls and not a.separate_single:
+            try:
+                up = stack.enter_context(llamacpp_server(a, plan, res, out))
+            except (RuntimeError, OSError) as e:
+                res.notes.append(f"llamacpp failed: {e}")
+                print(f"sfcl bench: llamacpp failed: {str(e).splitlines()[0]}", file=sys.stderr)
+            if up is not None:
+                _warmup(up[0], plan, "l")
+        single_peers = [SinglePeer(up[0], "l", up[1].monitor)] if up is not None else []
+        steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
+        steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
+        if "llamacpp" in systems and (up is not None or a.separate_single or not sfcl_modes or "single" not in wls):
+            steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out, up))]
+        for name, url in peer_urls:
+            def peer(name=name, url=url):
+                t = _target(name, url, plan)
+                res.notes.append(_eos_note(t, plan) + "; peak RSS not measured (not started by sfcl bench)")
+                bench_http(t, plan, res, tag="p", doc=docs[0] if docs else None, monitor=None, snapshots=False)
+            steps.append((name, peer))
         for name, fn in steps:
             try:
                 fn()
