@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
-    from sfcl.model.llama import AttnBatch, StepBatch
+    from sfcl.model.compiled import dummy_decode_step
     from sfcl.model.loader import load_model
     from sfcl.serving import DTYPES, load_anchors, make_llm_engine
 
@@ -50,12 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"engine built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     runner = eng.runner
     cd = runner.compiled_decode
-    pos = torch.full((B,), S - 1, dtype=torch.long)
 
-    def step() -> StepBatch:
-        return StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B),
-                         decode=AttnBatch(is_prefill=False, slots=torch.arange(B), positions=pos.clone(), kv_len=S,
-                                          mask=torch.ones(B, 1, 1, S, dtype=torch.bool), slot_range=(0, B)))
+    def step():
+        return dummy_decode_step(B, S)
 
     ids = torch.zeros(1, B, dtype=torch.long)
     runner.kv.ensure_initialized(B, S)

@@ -67,7 +67,7 @@ def _add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "follow their tokens; a step whose search includes a steering request searches in the step)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
-                        "compiles for ~0.5-2 min at startup (Inductor caches code under /tmp, so restarts are faster); "
+                        "compiles at startup, about 5 min on 2 cores the first time (Inductor caches code under /tmp, so restarts take ~35 s); "
                         "needs a C++ compiler on CPU; combines with --weight-quant; not with --kv-cache-dtype int8")
     p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
     p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")

@@ -215,21 +215,21 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
     (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index).
     single_peers: other servers (already warmed up) that take their turn in the single-stream
     rounds only, after the modes: off, triggered, always, peer, off, ..."""
-    arms = [(t, f"m{k}", monitor, t.headers.get("x-sfcl-snapshot") != "off", False) for t, k in targets]
-    arms += [(p.target, p.tag, p.monitor, False, True) for p in single_peers]
+    modes = [(t, f"m{k}", monitor, t.headers.get("x-sfcl-snapshot") != "off") for t, k in targets]
+    others = [(p.target, p.tag, p.monitor, False) for p in single_peers]  # (target, tag, monitor, snapshots)
     jobs = []  # (workload, level, requests per round)
     if "single" in plan.workloads:
         jobs.append(("single", 1, _split(plan.single_requests, plan.rounds, 2)))
     if "concurrent" in plan.workloads:
         jobs += [("concurrent", c, _split(max(plan.requests_per_level, c), plan.rounds, c)) for c in plan.levels]
     for wl, c, parts in jobs:
-        mine = [arm for arm in arms if wl == "single" or not arm[4]]
+        mine = modes + (others if wl == "single" else [])
         got = {t.name: ([], 0.0, 0) for t, *_ in mine}
-        bar = _bar(sum(parts) * len(mine), f"{'sfcl+peers' if len(mine) > len(targets) else 'sfcl'} {wl} c={c} "
+        bar = _bar(sum(parts) * len(mine), f"{'sfcl+peers' if len(mine) > len(modes) else 'sfcl'} {wl} c={c} "
                                            f"x{len(parts)} rounds")
         for r, n in enumerate(parts):
             base = sum(parts[:r])  # this round's first prompt
-            for t, tag, mon, _snap, _single_only in mine:
+            for t, tag, mon, _snap in mine:
                 prompts = workloads.tagged([plan.prompts[(base + i) % len(plan.prompts)] for i in range(n)],
                                            f"{tag}{'s' if wl == 'single' else f'c{c}'}r{r}")
                 t0 = time.monotonic()
@@ -242,7 +242,7 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
                     per_round = res.rounds.setdefault(f"{wl}|c{c}", {}).setdefault(t.name, [])
                     per_round.append(round(summarize(t.name, wl, c, ss, wall_s=dt_s).tokens_per_s or 0.0, 2))
         bar.close()
-        for t, _tag, _mon, snap, _single_only in mine:
+        for t, _tag, _mon, snap in mine:
             samples, wall, rss = got[t.name]
             res.add(t.name, wl, c, samples, snapshots=snap, wall_s=wall if wl == "concurrent" else None,
                     rss=rss or None)
@@ -321,20 +321,16 @@ def llamacpp_server(a, plan: Plan, res: Results, out: Path):
 def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None) -> None:
     """llama.cpp's workloads. up: (Target, ServerProcess) of a server already started (and warmed
     up) by ``llamacpp_server``, whose single-stream workload already ran interleaved with SFCL's."""
-    if up is not None:
-        t, srv = up
+    with contextlib.nullcontext(up) if up is not None else llamacpp_server(a, plan, res, out) as got:
+        if got is None:
+            return
+        t, srv = got
         # single ran in SFCL's rounds, unless those did not run (SFCL's server failed): then it runs here
         done = f"{t.name}|single|c1" in res.samples
-        rest = dataclasses.replace(plan, workloads=tuple(w for w in plan.workloads if w != "single" or not done),
-                                   warmup_requests=0)
-        bench_http(t, rest, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
+        todo = dataclasses.replace(plan, workloads=tuple(w for w in plan.workloads if w != "single" or not done),
+                                   warmup_requests=0 if up is not None else plan.warmup_requests)
+        bench_http(t, todo, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
                    snapshots=False)
-        return
-    with llamacpp_server(a, plan, res, out) as got:
-        if got is not None:
-            t, srv = got
-            bench_http(t, plan, res, tag="l", doc=plan.docs[0] if plan.docs else None, monitor=srv.monitor,
-                       snapshots=False)
 
 
 def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
@@ -446,7 +442,8 @@ def cmd_bench(a) -> int:
     load_start = _loadavg()
     with contextlib.ExitStack() as stack:  # stops llama.cpp's server however this block ends
         up = None  # llama.cpp started first, so its single-stream rounds interleave with SFCL's
-        if "llamacpp" in systems and sfcl_modes and "single" in wls and not a.separate_single:
+        interleave = "llamacpp" in systems and bool(sfcl_modes) and "single" in wls and not a.separate_single
+        if interleave:
             try:
                 up = stack.enter_context(llamacpp_server(a, plan, res, out))
             except (RuntimeError, OSError) as e:
@@ -457,7 +454,7 @@ def cmd_bench(a) -> int:
         single_peers = [SinglePeer(up[0], "l", up[1].monitor)] if up is not None else []
         steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
         steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
-        if "llamacpp" in systems and (up is not None or a.separate_single or not sfcl_modes or "single" not in wls):
+        if "llamacpp" in systems and (up is not None or not interleave):  # else: skipped or failed, noted
             steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out, up))]
         for name, url in peer_urls:
             def peer(name=name, url=url):

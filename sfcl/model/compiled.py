@@ -55,8 +55,9 @@ def _guard_filter(entries) -> list[bool]:
 def compile_options(device: torch.device | str) -> dict:
     """``torch.compile`` options of the decode step. On CPU, Inductor's C++ wrapper
     (``cpp_wrapper``): the generated step calls its ~600 kernels from C++ rather than from a
-    Python function, which took about 1 ms off a batch-1 step (11.2 -> 9.5 ms with the guard
-    filter, SmolLM2-135M int4, 1 thread; ``scripts/profile_decode.py``)."""
+    Python function, which took 0.35-0.57 ms off a batch-1 step (SmolLM2-135M int4, 1 thread,
+    200 positions, timed against the guard filter alone in one process) and doubles the first
+    compile (324 vs 156 s for all batch sizes on 2 cores)."""
     opts = {"guard_filter_fn": _guard_filter}
     if torch.device(device).type == "cpu":
         opts["cpp_wrapper"] = True
@@ -72,6 +73,18 @@ def _private_function(fn):
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return new
+
+
+def dummy_decode_step(B: int, S: int, device: torch.device | str = "cpu") -> StepBatch:
+    """A decode-only step of rows [0, B) each attending to S cache positions (the new token at
+    position S - 1), built as the runner builds one (for warm-up and timing). Every tensor is
+    fresh: positions and decode.positions are distinct, because Dynamo guards on aliasing between
+    inputs and a warm-up that aliased them recompiled later."""
+    pos = torch.full((B,), S - 1, dtype=torch.long, device=device)
+    return StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B, device=device),
+                     decode=AttnBatch(is_prefill=False, slots=torch.arange(B, device=device), positions=pos,
+                                      kv_len=S, mask=torch.ones(B, 1, 1, S, dtype=torch.bool, device=device),
+                                      slot_range=(0, B)))
 
 
 class CompiledDecode:
@@ -123,14 +136,7 @@ class CompiledDecode:
         t0 = time.perf_counter()
         dev = self.kv.k[0].device
         for B in batch_sizes or self.batch_buckets():
-            pos = torch.full((B,), S - 1, dtype=torch.long, device=dev)
             self.kv.ensure_initialized(B, S)
-            # positions and decode.positions are distinct tensors, as the runner builds them: Dynamo
-            # guards on aliasing between inputs, so a warm-up that aliased them recompiled later
-            step = StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B, device=dev),
-                             decode=AttnBatch(is_prefill=False, slots=torch.arange(B, device=dev), positions=pos,
-                                              kv_len=S, mask=torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev),
-                                              slot_range=(0, B)))
-            self(torch.zeros(1, B, dtype=torch.long, device=dev), step, tap_layer)
+            self(torch.zeros(1, B, dtype=torch.long, device=dev), dummy_decode_step(B, S, dev), tap_layer)
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
