@@ -242,7 +242,8 @@ def test_closed_loop_sends_exactly_n_requests(serve):
 
 def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
     """bench_interleaved: each mode's single and concurrent requests are split into rounds of whole
-    waves and the modes alternate round by round (a, b, a, b); each mode's row pools its rounds."""
+    waves and the modes alternate round by round, odd rounds in reverse order (a, b, b, a); each
+    mode's row pools its rounds."""
     from sfcl.bench.run import Plan, Results, _split, bench_interleaved
 
     assert _split(64, 2, 16) == [32, 32] and _split(96, 4, 16) == [32, 32, 16, 16]  # whole waves of 16
@@ -257,8 +258,8 @@ def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
     bench_interleaved(targets, plan, res, None)
     tags = [e[0][0]["content"].split(".")[0] for e in eng.encoded]  # "Ref m0c2r1-3" -> run order
     runs = list(dict.fromkeys(t.rsplit("-", 1)[0] for t in tags))
-    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref m0sr1", "Ref m1sr1",
-                    "Ref m0c2r0", "Ref m1c2r0", "Ref m0c2r1", "Ref m1c2r1"]
+    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref m1sr1", "Ref m0sr1",
+                    "Ref m0c2r0", "Ref m1c2r0", "Ref m1c2r1", "Ref m0c2r1"]
     rows = {(r.system, r.workload): r for r in res.rows}
     assert set(rows) == {(f"sfcl-{m}", w) for m in ("off", "triggered") for w in ("single", "concurrent")}
     assert len(res.samples["sfcl-off|concurrent|c2"]) == 8 and len(res.samples["sfcl-triggered|single|c1"]) == 4
@@ -273,7 +274,7 @@ def test_sfcl_modes_run_in_interleaved_rounds_and_pool_them(serve):
 
 def test_single_peer_takes_a_turn_in_the_single_stream_rounds_only(serve):
     """A SinglePeer (llama.cpp's server in ``sfcl bench``) runs its single-stream requests inside
-    SFCL's interleaved rounds, after the modes of each round, and no concurrent level; its row
+    SFCL's interleaved rounds, after the modes (before them in odd rounds), and no concurrent level; its row
     has no snapshot columns and its memory comes from its own monitor."""
     from sfcl.bench.run import Plan, Results, SinglePeer, bench_interleaved
 
@@ -287,8 +288,8 @@ def test_single_peer_takes_a_turn_in_the_single_stream_rounds_only(serve):
     bench_interleaved(targets, plan, res, None, [peer])
     tags = [e[0][0]["content"].split(".")[0] for e in eng.encoded]
     runs = list(dict.fromkeys(t.rsplit("-", 1)[0] for t in tags))
-    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref lsr0", "Ref m0sr1", "Ref m1sr1", "Ref lsr1",
-                    "Ref m0c2r0", "Ref m1c2r0", "Ref m0c2r1", "Ref m1c2r1"]
+    assert runs == ["Ref m0sr0", "Ref m1sr0", "Ref lsr0", "Ref lsr1", "Ref m1sr1", "Ref m0sr1",
+                    "Ref m0c2r0", "Ref m1c2r0", "Ref m1c2r1", "Ref m0c2r1"]
     rows = {(r.system, r.workload): r for r in res.rows}
     assert ("llamacpp", "single") in rows and ("llamacpp", "concurrent") not in rows
     assert len(res.samples["llamacpp|single|c1"]) == 4

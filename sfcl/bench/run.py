@@ -214,7 +214,10 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
     mode alike instead of biasing the mode that ran last; each mode's figures pool its rounds
     (throughput = its tokens / the sum of its rounds' wall time). targets: (target, tag index).
     single_peers: other servers (already warmed up) that take their turn in the single-stream
-    rounds only, after the modes: off, triggered, always, peer, off, ..."""
+    rounds only, after the modes. Odd rounds run in reverse order (off, triggered, always, peer;
+    peer, always, triggered, off; ...), so that no mode always follows the same one: whatever one
+    run leaves behind (a busy lookup thread, a cooler cache, the client's garbage) falls on
+    different modes in turn instead of always on the next one in the list."""
     modes = [(t, f"m{k}", monitor, t.headers.get("x-sfcl-snapshot") != "off") for t, k in targets]
     others = [(p.target, p.tag, p.monitor, False) for p in single_peers]  # (target, tag, monitor, snapshots)
     jobs = []  # (workload, level, requests per round)
@@ -229,7 +232,7 @@ def bench_interleaved(targets: list[tuple[clients.Target, int]], plan: Plan, res
                                            f"x{len(parts)} rounds")
         for r, n in enumerate(parts):
             base = sum(parts[:r])  # this round's first prompt
-            for t, tag, mon, _snap in mine:
+            for t, tag, mon, _snap in (mine if r % 2 == 0 else mine[::-1]):
                 prompts = workloads.tagged([plan.prompts[(base + i) % len(plan.prompts)] for i in range(n)],
                                            f"{tag}{'s' if wl == 'single' else f'c{c}'}r{r}")
                 t0 = time.monotonic()
@@ -530,7 +533,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
     p.add_argument("--rounds", type=int, default=2,
                    help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
-                        "rounds (off, triggered, always, off, ...; each round whole waves of the level), so a drift "
+                        "rounds (off, triggered, always; always, triggered, off; ...; each round whole waves of the "
+                        "level), so a drift "
                         "in machine speed hits every mode alike; figures pool the rounds")
     p.add_argument("--separate-single", action="store_true",
                    help="run llama.cpp's single-stream workload on its own after SFCL's (default: llama.cpp's "

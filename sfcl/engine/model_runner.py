@@ -253,11 +253,12 @@ class ModelRunner:
             logits_t, hidden_t, disp_t = graph_out.logits, graph_out.hidden, graph_out.dispersion
         else:
             logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, natt_t)
-        tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
-                        [self._generator(s) for s in seqs])  # (N,)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
+        probs = logp.exp()  # (N, V): the entropy's, and the sampling distribution of rows at temperature 1
+        ent = -(probs * logp).sum(-1)  # (N,) nats
+        tokens = sample(logits_t, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
+                        [self._generator(s) for s in seqs], probs=probs)  # (N,)
         tok_logp = logp.gather(1, tokens[:, None])[:, 0]  # (N,)
-        ent = -(logp.exp() * logp).sum(-1)  # (N,) nats
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         modes = torch.tensor([MODE_CODES[s.params.snapshot_mode] for s in seqs], device=self.device)
         fired = torch.zeros(len(seqs), 3, dtype=torch.bool, device=self.device)
