@@ -361,7 +361,21 @@ def test_cli_bench_against_a_peer(serve, tmp_path, capsys):
     assert (out / "throughput_vs_concurrency.png").is_file() and (out / "report.md").is_file()
 
 
+def test_cli_bench_temperature_reaches_every_request(serve, tmp_path):
+    pytest.importorskip("matplotlib")
+    from sfcl.cli import main
+
+    url, eng = serve(FakeEngine(max_model_len=10**6))
+    out = tmp_path / "out"
+    assert main(["bench", "--systems", "", "--peer-url", f"fake={url}", "--quick", "--workloads", "single",
+                 "--temperature", "0.7", "--out", str(out)]) == 0
+    timed = [r for r in eng.requests if r.params.max_tokens == 16]  # not the probe's 1-token request
+    assert timed and all(r.params.temperature == 0.7 and r.params.top_p == 1.0 for r in timed)
+    assert "- every request sampled at temperature 0.7, top_p 1" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("argv, msg", [(["--systems", "vllm"], "unknown system"),
+                                       (["--temperature", "1.5"], "--temperature"),
                                        (["--workloads", "single,bogus"], "unknown workload"),
                                        (["--concurrency", "4,x"], "--concurrency"),
                                        (["--peer-url", "nourl"], "--peer-url")])

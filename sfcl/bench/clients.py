@@ -31,7 +31,8 @@ class Target:
 
     headers: sent with every request (SFCL: ``x-sfcl-snapshot: off|triggered|always``).
     extra_body: merged into every request body (e.g. ``ignore_eos`` for servers that take it).
-    include_usage: ask for the usage chunk (``stream_options.include_usage``)."""
+    include_usage: ask for the usage chunk (``stream_options.include_usage``).
+    temperature: sampling temperature of every request (0: greedy), with top_p 1."""
 
     name: str
     base_url: str
@@ -39,13 +40,14 @@ class Target:
     headers: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
     include_usage: bool = True
+    temperature: float = 0.0
 
 
 async def stream_chat(client: httpx.AsyncClient, target: Target, messages: list[dict], max_tokens: int) -> RequestSample:
     """Send one streaming chat request and measure it. Never raises for HTTP or stream errors:
     they are recorded in ``RequestSample.error`` (a benchmark keeps going and counts them)."""
     body: dict[str, Any] = {"model": target.model, "messages": messages, "max_tokens": max_tokens,
-                            "temperature": 0.0, "stream": True, **target.extra_body}
+                            "temperature": target.temperature, "top_p": 1.0, "stream": True, **target.extra_body}
     if target.include_usage:
         body["stream_options"] = {"include_usage": True}
     start = time.monotonic()

@@ -81,9 +81,11 @@ def load(spec: dict):
     return tok, model
 
 
-def run_batch(tok, model, batch: list[list[dict]], max_tokens: int, ignore_eos: bool) -> list[dict]:
+def run_batch(tok, model, batch: list[list[dict]], max_tokens: int, ignore_eos: bool,
+              temperature: float = 0.0) -> list[dict]:
     """One ``generate()`` over ``batch`` (chat messages each); returns one sample dict per row
-    (fields of ``sfcl.bench.stats.RequestSample``, times in ms from the call)."""
+    (fields of ``sfcl.bench.stats.RequestSample``, times in ms from the call). temperature > 0
+    samples (top_p 1, no top-k cut, as the servers are asked); 0 is greedy."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -111,6 +113,8 @@ def run_batch(tok, model, batch: list[list[dict]], max_tokens: int, ignore_eos: 
 
     gen_kw = dict(max_new_tokens=max_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([Clock()]),
                   pad_token_id=tok.pad_token_id)
+    if temperature > 0:
+        gen_kw.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
     if ignore_eos:
         gen_kw["min_new_tokens"] = max_tokens
     with torch.inference_mode():
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         samples, t0 = [], time.monotonic()
         bar = tqdm(total=len(prompts), desc=f"{spec['name']} {job['key']}", unit="req", leave=False)
         for i in range(0, len(prompts), c):
-            got = run_batch(tok, model, prompts[i:i + c], int(job["max_tokens"]), bool(spec.get("ignore_eos")))
+            got = run_batch(tok, model, prompts[i:i + c], int(job["max_tokens"]), bool(spec.get("ignore_eos")),
+                            float(spec.get("temperature", 0.0)))
             samples += got
             bar.update(len(got))
         bar.close()

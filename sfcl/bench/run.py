@@ -54,6 +54,7 @@ class Plan:
     ignore_eos: bool = True
     warmup_requests: int = 2  # untimed requests (concurrently) before a system's first workload
     rounds: int = 1  # SFCL's modes run single/concurrent in this many interleaved rounds
+    temperature: float = 0.0  # of every request (0: greedy); top_p 1
 
 
 @dataclass
@@ -168,7 +169,7 @@ def _target(name: str, url: str, plan: Plan, headers: dict | None = None, eos_bo
     vLLM / llama-server field ``ignore_eos``); the probe drops it if the server rejects it."""
     body = (eos_body if eos_body is not None else {"ignore_eos": True}) if plan.ignore_eos else {}
     t = clients.Target(name=name, base_url=url, model=clients.discover_model(url), headers=headers or {},
-                       extra_body=dict(body))
+                       extra_body=dict(body), temperature=plan.temperature)
     return asyncio.run(clients.probe(t))
 
 
@@ -353,7 +354,7 @@ def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
                      "prompts": [d.messages(i) for i in range(len(d.questions))]})
     spec = {"name": name, "model": a.model, "dtype": name.split("-", 1)[1], "device": a.hf_device or a.device,
             "attn": a.hf_attn,
-            "threads": a.threads, "ignore_eos": plan.ignore_eos, "jobs": jobs}
+            "threads": a.threads, "ignore_eos": plan.ignore_eos, "temperature": plan.temperature, "jobs": jobs}
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         sp.write_text(json.dumps(spec))
@@ -422,6 +423,8 @@ def cmd_bench(a) -> int:
     bad = [w for w in wls if w not in WORKLOADS]
     if bad or not wls:
         raise ValueError(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from {', '.join(WORKLOADS)}")
+    if not 0.0 <= a.temperature <= 1.0:
+        raise ValueError("--temperature must be in [0, 1]")
     if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads, a.rounds) < 1 \
             or a.warmup_requests < 0:
         raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions, --rounds "
@@ -437,10 +440,16 @@ def cmd_bench(a) -> int:
                 requests_per_level=a.requests_per_level, max_tokens=a.max_tokens,
                 longdoc_max_tokens=a.longdoc_max_tokens,
                 prompts=workloads.short_prompts(max(a.single_requests, a.requests_per_level, max(levels))),
-                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests, rounds=a.rounds)
+                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests, rounds=a.rounds,
+                temperature=a.temperature)
     out = Path(a.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     res = Results()
+    if plan.temperature > 0:
+        res.notes.append(f"every request sampled at temperature {plan.temperature:g}, top_p 1; other sampler "
+                         "settings are each server's defaults (llama-cpp-python's server keeps top_k 40 and "
+                         "min_p 0.05; SFCL and HF here sample the whole vocabulary), and the token streams "
+                         "differ between systems")
     t0 = time.monotonic()
     load_start = _loadavg()
     with contextlib.ExitStack() as stack:  # stops llama.cpp's server however this block ends
@@ -497,7 +506,8 @@ def cmd_bench(a) -> int:
             "loadavg_1min_start_end": [load_start, _loadavg()], "plan": {
                 "workloads": wls, "levels": levels, "single_requests": a.single_requests,
                 "requests_per_level": a.requests_per_level, "max_tokens": a.max_tokens,
-                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos, "rounds": a.rounds},
+                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos, "rounds": a.rounds,
+                "temperature": a.temperature},
             "per_round_tokens_per_s": res.rounds}
     md = report.markdown(res.rows, checks, meta, res.notes)
     (out / "report.md").write_text(md)
@@ -531,6 +541,10 @@ def add_parser(sub) -> None:
                    help="requests per concurrency level (at least the level)")
     p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream workload")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request, top_p 1 (default 0: greedy, every system emits "
+                        "its argmax; 1.0 is what both APIs default to and measures each system's sampler too; other "
+                        "sampler settings stay at each server's defaults)")
     p.add_argument("--rounds", type=int, default=2,
                    help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
                         "rounds (off, triggered, always; always, triggered, off; ...; each round whole waves of the "
