@@ -19,6 +19,7 @@ from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
 from sfcl.engine.engine import LLMEngine
 from sfcl.engine.graph_runner import DecodeGraphRunner
+from sfcl.engine.host_memory import keep_freed_memory
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
@@ -204,7 +205,9 @@ def engine_threads(threads: int | None, prefill_threads: int | None, cores: int 
 
 
 def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool = True) -> Built:
-    """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError."""
+    """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError.
+    Sets the host allocator's thresholds first (``sfcl.engine.host_memory``)."""
+    malloc_tuned = keep_freed_memory()
     decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)
     mcfg = replace(mcfg, threads=decode_threads)
     ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
@@ -222,7 +225,7 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len
         extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,
-                 "default_snapshot_mode": scfg.default_mode}
+                 "default_snapshot_mode": scfg.default_mode, "malloc_tuned": malloc_tuned}
         metrics = {"known_tags": tuple(ecfg.metric_tags) + tuple(ecfg.priority_tags),
                    "n_anchors": lib.n_anchors if lib else 0, "price_per_hour": ecfg.price_per_hour,
                    "kv_slots": ecfg.max_num_seqs}

@@ -1,0 +1,44 @@
+"""sfcl.engine.host_memory: glibc's thresholds are set, and the switch turns it off."""
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import ctypes, ctypes.util, sys
+from sfcl.engine.host_memory import keep_freed_memory
+ok = keep_freed_memory()
+# after mallopt(M_MMAP_THRESHOLD, 32 MiB), a 3 MiB block comes from the heap: malloc_usable_size
+# of an mmapped chunk is its page-rounded size minus the header, of a heap chunk the request + < 32
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc_usable_size.argtypes = [ctypes.c_void_p]
+libc.malloc_usable_size.restype = ctypes.c_size_t
+libc.free.argtypes = [ctypes.c_void_p]
+n = 3 * 1024 * 1024 + 100
+p = libc.malloc(n)
+extra = libc.malloc_usable_size(p) - n
+libc.free(p)
+print(ok, extra)
+"""
+
+
+def _run(env_extra: dict) -> tuple[str, int]:
+    import os
+
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ok, extra = out.stdout.split()
+    return ok, int(extra)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_thresholds_set_put_a_3_mib_block_on_the_heap_and_the_switch_leaves_glibc_defaults():
+    ok, extra = _run({"SFCL_MALLOC_TUNING": "1"})
+    if ok != "True":
+        pytest.skip("not glibc")
+    assert extra < 64  # a heap chunk: the request rounded up to 16 bytes, plus at most one word
+    ok, extra = _run({"SFCL_MALLOC_TUNING": "0"})
+    assert ok == "False" and extra >= 100  # glibc's default: mmapped, rounded up to a whole page
