@@ -66,8 +66,10 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
             tok[nuc] = _nucleus(*pn.sort(-1, descending=True), top_p[nuc], u[nuc])
         else:
             sp, si = pn.topk(NUCLEUS_TOPK, -1)  # (m, K) descending
-            # the nucleus lies within the top K when they hold top_p of the mass (a CPU tensor: no sync)
-            short = (sp.sum(-1) < top_p[nuc]).tolist()
+            # the nucleus lies within the top K when they hold top_p of the mass (a CPU tensor: no sync),
+            # by the prefix sum _nucleus keeps by: sum() rounds differently, and a top_p between the two
+            # would drop the (K+1)-th token that a full sort keeps
+            short = (sp.cumsum(-1)[:, -1] < top_p[nuc]).tolist()
             fit = [j for j, s in enumerate(short) if not s]
             if fit:
                 f = torch.tensor(fit, device=dev)
@@ -112,7 +114,10 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * bcdf[:, -1])[:, None]  # (m, 1)
     b = torch.searchsorted(bcdf, target, right=True).clamp_max(nb - 1)  # (m, 1) block
     blk = blocks.gather(1, b[:, :, None].expand(m, 1, CDF_BLOCK))[:, 0]  # (m, C)
-    inner = blk.cumsum(-1) + (bcdf.gather(1, b) - bsum.gather(1, b))  # (m, C) cdf within the block
+    # offset: the cdf before block b as bcdf holds it (not bcdf[b] - bsum[b], which can round above
+    # it and put a target that bcdf places in block b before the block's first column, weight or not)
+    prev = torch.nn.functional.pad(bcdf, (1, 0)).gather(1, b)  # (m, 1) bcdf[b - 1], 0 for b = 0
+    inner = blk.cumsum(-1) + prev  # (m, C) cdf within the block
     j = torch.searchsorted(inner, target, right=True)  # (m, 1)
     # rounding can leave the block's last cdf a hair under the target: stay on a positive weight
     last = torch.where(blk > 0, torch.arange(CDF_BLOCK, device=p.device), -1).amax(-1, keepdim=True)  # (m, 1)

@@ -1,0 +1,79 @@
+"""Adversarial checks of EngineThread._emit's per-loop batching (QueueSink)."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from sfcl.engine.async_engine import EngineThread, QueueSink
+from sfcl.engine.events import ErrorEvent, Finished, Started, TextDelta
+
+
+def _counting_loop():
+    loop = asyncio.new_event_loop()
+    calls = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args):
+        calls.append(cb)
+        return real(cb, *args)
+
+    loop.call_soon_threadsafe = counting
+    return loop, calls
+
+
+def _drain(loop, q):
+    loop.run_until_complete(asyncio.sleep(0))
+    return [q.get_nowait() for _ in range(q.qsize())]
+
+
+def _emit_from_thread(et, events):
+    t = threading.Thread(target=et._emit, args=(events,))
+    t.start()
+    t.join()
+
+
+def test_many_loops_one_call_each_closed_loop_and_removed_sinks_do_not_block_the_others():
+    loops = [_counting_loop() for _ in range(4)]
+    qs = [asyncio.Queue() for _ in range(4)]
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {f"r{i}": QueueSink(loops[i][0], qs[i]) for i in range(4)}
+    loops[1][0].close()  # a client loop that is gone
+    del et.sinks["r2"]  # an aborted request: its sink was removed before the step's events
+    fin = Finished("stop", None, 1, 2, {})
+    events = []
+    for i in range(4):
+        events += [(f"r{i}", TextDelta("a", 0)), (f"r{i}", TextDelta("b", 1))]
+    events += [(f"r{i}", fin) for i in range(4)]
+    _emit_from_thread(et, events)
+    assert [len(c) for _, c in loops] == [1, 1, 0, 1]  # the closed loop was tried once, r2 not at all
+    for i in (0, 3):
+        assert _drain(loops[i][0], qs[i]) == [TextDelta("a", 0), TextDelta("b", 1), fin]  # Finished last
+    assert et.sinks == {}  # every request that finished is dropped, also on the closed loop
+    for i in (0, 2, 3):
+        loops[i][0].close()
+
+
+def test_events_after_the_end_are_dropped_and_later_steps_follow_in_order():
+    loop, calls = _counting_loop()
+    q = asyncio.Queue()
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {"a": QueueSink(loop, q), "b": QueueSink(loop, q)}  # two requests sharing one queue
+    _emit_from_thread(et, [("a", Started("a", 1)), ("b", Started("b", 1)), ("a", TextDelta("x", 0))])
+    _emit_from_thread(et, [("b", TextDelta("y", 0)), ("a", ErrorEvent("boom")), ("a", TextDelta("late", 1)),
+                           ("b", TextDelta("z", 1))])
+    assert len(calls) == 2  # one per step
+    got = _drain(loop, q)
+    assert got == [Started("a", 1), Started("b", 1), TextDelta("x", 0), TextDelta("y", 0), ErrorEvent("boom"),
+                   TextDelta("z", 1)]  # the step order; nothing of "a" after its error
+    assert set(et.sinks) == {"b"}
+    loop.close()
+
+
+def test_empty_step_posts_nothing():
+    loop, calls = _counting_loop()
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {"a": QueueSink(loop, asyncio.Queue())}
+    et._emit([])
+    et._emit([("other", TextDelta("x", 0))])
+    assert calls == []
+    loop.close()
