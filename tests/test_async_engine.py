@@ -1,4 +1,5 @@
-"""EngineThread._emit: a step's events reach each event loop in one hand-over, in order."""
+"""EngineThread._emit: a step's events reach each event loop in one hand-over, in order
+(with the break-it pass's cases: many loops, a closed loop, removed sinks, later steps)."""
 
 import asyncio
 import threading
@@ -8,7 +9,7 @@ from sfcl.engine.async_engine import EngineThread, QueueSink
 from sfcl.engine.events import ErrorEvent, Finished, Started, TextDelta
 
 
-def test_one_step_is_one_call_soon_threadsafe_per_loop_in_order_and_ended_sinks_are_dropped():
+def _counting_loop():
     loop = asyncio.new_event_loop()
     calls = []
     real = loop.call_soon_threadsafe
@@ -18,6 +19,22 @@ def test_one_step_is_one_call_soon_threadsafe_per_loop_in_order_and_ended_sinks_
         return real(cb, *args)
 
     loop.call_soon_threadsafe = counting
+    return loop, calls
+
+
+def _drain(loop, q):
+    loop.run_until_complete(asyncio.sleep(0))
+    return [q.get_nowait() for _ in range(q.qsize())]
+
+
+def _emit_from_thread(et, events):
+    t = threading.Thread(target=et._emit, args=(events,))
+    t.start()
+    t.join()
+
+
+def test_one_step_is_one_call_soon_threadsafe_per_loop_in_order_and_ended_sinks_are_dropped():
+    loop, calls = _counting_loop()
     qa, qb = asyncio.Queue(), asyncio.Queue()
     plain = []
     et = EngineThread(SimpleNamespace())  # _emit uses only the sinks
@@ -25,17 +42,61 @@ def test_one_step_is_one_call_soon_threadsafe_per_loop_in_order_and_ended_sinks_
     fin = Finished("max_tokens", None, 3, 2, {})
     events = [("a", Started("a", 3)), ("b", Started("b", 3)), ("a", TextDelta("x", 0)), ("c", TextDelta("y", 0)),
               ("b", ErrorEvent("boom", "api_error")), ("a", TextDelta("z", 1)), ("a", fin), ("gone", TextDelta("w", 0))]
-    t = threading.Thread(target=et._emit, args=(events,))  # the engine thread, not the loop's
-    t.start()
-    t.join()
+    _emit_from_thread(et, events)  # the engine thread, not the loop's
     assert len(calls) == 1  # one wake-up of the loop for the whole step
     assert plain == [TextDelta("y", 0)]  # a plain callable sink is called directly
     assert set(et.sinks) == {"c"}  # a and b ended (Finished / ErrorEvent)
-    loop.run_until_complete(asyncio.sleep(0))
-    got_a = [qa.get_nowait() for _ in range(qa.qsize())]
-    got_b = [qb.get_nowait() for _ in range(qb.qsize())]
+    got_a = _drain(loop, qa)
+    got_b = _drain(loop, qb)
     assert got_a == [Started("a", 3), TextDelta("x", 0), TextDelta("z", 1), fin]
     assert [type(e) for e in got_b] == [Started, ErrorEvent]
     loop.close()
     et._emit([("c", TextDelta("late", 1))])  # a closed loop is not an error for other sinks
     QueueSink(loop, qa)(TextDelta("late", 2))  # nor for the sink itself
+
+
+def test_many_loops_one_call_each_closed_loop_and_removed_sinks_do_not_block_the_others():
+    loops = [_counting_loop() for _ in range(4)]
+    qs = [asyncio.Queue() for _ in range(4)]
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {f"r{i}": QueueSink(loops[i][0], qs[i]) for i in range(4)}
+    loops[1][0].close()  # a client loop that is gone
+    del et.sinks["r2"]  # an aborted request: its sink was removed before the step's events
+    fin = Finished("stop", None, 1, 2, {})
+    events = []
+    for i in range(4):
+        events += [(f"r{i}", TextDelta("a", 0)), (f"r{i}", TextDelta("b", 1))]
+    events += [(f"r{i}", fin) for i in range(4)]
+    _emit_from_thread(et, events)
+    assert [len(c) for _, c in loops] == [1, 1, 0, 1]  # the closed loop was tried once, r2 not at all
+    for i in (0, 3):
+        assert _drain(loops[i][0], qs[i]) == [TextDelta("a", 0), TextDelta("b", 1), fin]  # Finished last
+    assert et.sinks == {}  # every request that finished is dropped, also on the closed loop
+    for i in (0, 2, 3):
+        loops[i][0].close()
+
+
+def test_events_after_the_end_are_dropped_and_later_steps_follow_in_order():
+    loop, calls = _counting_loop()
+    q = asyncio.Queue()
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {"a": QueueSink(loop, q), "b": QueueSink(loop, q)}  # two requests sharing one queue
+    _emit_from_thread(et, [("a", Started("a", 1)), ("b", Started("b", 1)), ("a", TextDelta("x", 0))])
+    _emit_from_thread(et, [("b", TextDelta("y", 0)), ("a", ErrorEvent("boom")), ("a", TextDelta("late", 1)),
+                           ("b", TextDelta("z", 1))])
+    assert len(calls) == 2  # one per step
+    got = _drain(loop, q)
+    assert got == [Started("a", 1), Started("b", 1), TextDelta("x", 0), TextDelta("y", 0), ErrorEvent("boom"),
+                   TextDelta("z", 1)]  # the step order; nothing of "a" after its error
+    assert set(et.sinks) == {"b"}
+    loop.close()
+
+
+def test_empty_step_posts_nothing():
+    loop, calls = _counting_loop()
+    et = EngineThread(SimpleNamespace())
+    et.sinks = {"a": QueueSink(loop, asyncio.Queue())}
+    et._emit([])
+    et._emit([("other", TextDelta("x", 0))])
+    assert calls == []
+    loop.close()
