@@ -548,8 +548,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
                         "rounds (off, triggered, always; always, triggered, off; ...; each round whole waves of the "
-                        "level), so a drift "
-                        "in machine speed hits every mode alike; figures pool the rounds")
+                        "level), so a drift in machine speed hits every mode alike; figures pool the rounds")
     p.add_argument("--separate-single", action="store_true",
                    help="run llama.cpp's single-stream workload on its own after SFCL's (default: llama.cpp's "
                         "server starts first and its single-stream requests take a turn in each of SFCL's rounds, "

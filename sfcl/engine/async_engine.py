@@ -61,9 +61,9 @@ Sink = Callable[[EngineEvent], None]
 class QueueSink:
     """A sink that fills an asyncio queue on ``loop``. The engine thread hands a step's events for
     all such sinks of one loop over in ONE ``call_soon_threadsafe`` (``EngineThread._emit``)
-    instead of one per event: at 16 streams that is one event-loop wake-up per step instead of
-    16 or more, each of which is a self-pipe write plus a GIL hand-over the engine thread then
-    waits to get back."""
+    instead of one per event: at 16 streams that is one event-loop wake-up (a self-pipe write)
+    per step instead of 16 or more. Served throughput at 16 streams did not change measurably
+    with it (within the ~5% spread between server starts)."""
 
     __slots__ = ("loop", "queue")
 

@@ -62,22 +62,21 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     if nuc_rows:
         nuc = torch.tensor(nuc_rows, device=dev)
         pn = _take(probs, nuc_rows)  # (m, V)
-        if dev.type == "cuda" or pn.shape[1] <= NUCLEUS_TOPK:
-            tok[nuc] = _nucleus(*pn.sort(-1, descending=True), top_p[nuc], u[nuc])
-        else:
+        wide = list(range(len(nuc_rows)))  # the rows that sort their whole vocabulary
+        if dev.type != "cuda" and pn.shape[1] > NUCLEUS_TOPK:
             sp, si = pn.topk(NUCLEUS_TOPK, -1)  # (m, K) descending
             # the nucleus lies within the top K when they hold top_p of the mass (a CPU tensor: no sync),
             # by the prefix sum _nucleus keeps by: sum() rounds differently, and a top_p between the two
             # would drop the (K+1)-th token that a full sort keeps
             short = (sp.cumsum(-1)[:, -1] < top_p[nuc]).tolist()
             fit = [j for j, s in enumerate(short) if not s]
+            wide = [j for j, s in enumerate(short) if s]
             if fit:
                 f = torch.tensor(fit, device=dev)
                 tok[nuc[f]] = _nucleus(sp[f], si[f], top_p[nuc][f], u[nuc][f])
-            wide = [j for j, s in enumerate(short) if s]
-            if wide:
-                w = torch.tensor(wide, device=dev)
-                tok[nuc[w]] = _nucleus(*pn[w].sort(-1, descending=True), top_p[nuc][w], u[nuc][w])
+        if wide:
+            w = torch.tensor(wide, device=dev)
+            tok[nuc[w]] = _nucleus(*_take(pn, wide).sort(-1, descending=True), top_p[nuc][w], u[nuc][w])
     out[idx] = torch.where(ok, tok, out[idx])
     return out
 
@@ -98,8 +97,8 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Wide rows search in two levels: the cumulative sums of blocks of ``CDF_BLOCK`` columns find
     the block, then the cumulative sum of that block alone finds the column. That reads p once
-    (a block sum) instead of writing a (m, K) prefix sum: 0.2 instead of 1.2 ms for 16 rows over
-    a 49k vocabulary on one CPU thread.
+    (a block sum) instead of writing a (m, K) prefix sum: 0.09 instead of 0.61 ms for 16 rows over
+    a 49k vocabulary on one CPU thread (both timed in one process).
     """
     m, K = p.shape
     if K < 4 * CDF_BLOCK:
