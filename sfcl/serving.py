@@ -23,6 +23,7 @@ from sfcl.engine.host_memory import keep_freed_memory
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
+from sfcl.engine.threads import run_on_scratch_thread
 from sfcl.model.loader import LoadedModel, load_model
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
@@ -206,12 +207,18 @@ def engine_threads(threads: int | None, prefill_threads: int | None, cores: int 
 
 def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool = True) -> Built:
     """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError.
-    Sets the host allocator's thresholds first (``sfcl.engine.host_memory``)."""
+    Sets the host allocator's thresholds first (``sfcl.engine.host_memory``). The loading (on all
+    cores) runs on a thread that exits before this returns, so that no OpenMP pool but the engine
+    thread's outlives it (``sfcl.engine.threads``: a leftover pool slowed every prompt chunk)."""
+    return run_on_scratch_thread(_build_engine, mcfg, ecfg, scfg, progress, name="sfcl-load")
+
+
+def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool) -> Built:
     malloc_tuned = keep_freed_memory()
     decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)
     mcfg = replace(mcfg, threads=decode_threads)
     ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
-    main_threads = torch.get_num_threads()  # the caller's count comes back at the end
+    main_threads = torch.get_num_threads()  # torch's process-wide count (new threads take it) comes back at the end
     try:
         torch.set_num_threads(prefill_threads)  # loading, and a first start's anchor build, are bulk work
         lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device=mcfg.device, cache_dir=scfg.cache_dir)

@@ -93,6 +93,26 @@ def test_lookup_thread_leaves_the_process_wide_thread_count(lm, nda_library):
         torch.set_num_threads(main)
 
 
+def test_lookup_thread_keeps_one_thread_when_the_engine_sets_more(lm, nda_library):
+    """The lookup thread's count is set for good (sfcl.engine.threads.set_thread_count): torch's
+    lazy per-thread init at its first parallel op must not replace it with the process-wide
+    count the engine thread restores (it did: the lookup thread ran 2-thread OpenMP regions and
+    kept a second pool, which slowed every prompt chunk of the engine's afterwards)."""
+    main = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4, prefix_cache_tokens=0,
+                                                            overlap_lookup=True))
+        try:
+            run(eng, lm, n=1, max_tokens=3)
+            assert eng.runner._lookup_pool is not None
+            assert eng.runner._lookup_pool.submit(torch.get_num_threads).result() == 1
+        finally:
+            eng.runner.close()
+    finally:
+        torch.set_num_threads(main)
+
+
 def test_reload_with_lookups_in_flight_keeps_the_old_version_until_its_last_request(lm, nda_library):
     """Swap the library (as ``AsyncEngine.reload_anchors`` does, between steps) while a lookup of
     the old version is in flight, and drop every outside reference to the old library: the pending

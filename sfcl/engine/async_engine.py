@@ -18,13 +18,12 @@ import threading
 import uuid
 from typing import AsyncIterator, Callable
 
-import torch
-
 from sfcl.engine.engine import LLMEngine
 from sfcl.engine.events import EngineEvent, ErrorEvent, Finished
 from sfcl.engine.protocol import EngineBusyError
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import QueueFullError
+from sfcl.engine.threads import run_on_scratch_thread, set_thread_count
 
 log = logging.getLogger("sfcl.engine")
 
@@ -173,10 +172,7 @@ class EngineThread:
 
     def _run(self) -> None:
         if self._num_threads:
-            # get first: this thread's first parallel op would otherwise re-apply torch's process-wide
-            # count (at::init_num_threads), which the main thread may set after this line
-            torch.get_num_threads()
-            torch.set_num_threads(self._num_threads)
+            set_thread_count(self._num_threads)  # for good: see sfcl.engine.threads
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_work()
@@ -280,7 +276,8 @@ class AsyncEngine:
         if self._reloader is None:
             raise NotImplementedError("this engine was built without a library reloader")
         with self._reload_lock:
-            lib, snap = self._reloader(path)
+            # on a thread that exits: the index build's OpenMP pool must not outlive it (sfcl.engine.threads)
+            lib, snap = run_on_scratch_thread(self._reloader, path, name="sfcl-reload")
             if lib.layer != self.engine.runner.tap_layer:
                 raise AnchorLibraryError(f"anchor library {lib.path} is for snapshot layer {lib.layer}, but this "
                                          f"server taps layer {self.engine.runner.tap_layer}; restart to change layers")

@@ -38,6 +38,7 @@ from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.sampler import sample, steer_resample
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
+from sfcl.engine.threads import set_thread_count
 from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, StepBatch
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, Snapshotter,
@@ -63,7 +64,7 @@ class PendingSnapshot:
 
 
 def _lookup_thread_init() -> None:
-    torch.set_num_threads(1)  # a search of a few rows; the cores belong to the engine's forward
+    set_thread_count(1)  # a search of a few rows; the cores belong to the engine's forward
 
 
 @dataclass(slots=True)

@@ -1,0 +1,67 @@
+"""Torch intra-op threads across the serving process's native threads (OpenMP, libgomp).
+
+PyTorch's CPU wheels run intra-op parallelism on GNU OpenMP. Two of its behaviours decide how
+fast the engine's multi-threaded steps (prompt chunks on every core) run:
+
+1. **One thread pool per native thread, for that thread's lifetime.** Every thread that ever ran
+   a parallel region keeps its own team of OpenMP threads until it exits. When the pools of all
+   threads together hold more threads than there are CPUs, libgomp shortens the spin of waiting
+   threads from ~300,000 iterations to 100 (``gomp_throttled_spin_count_var``, libgomp's
+   env.c), so each parallel region of the engine thread has to wake a sleeping worker through a
+   futex. Measured on this
+   project's 2-core CPU (``python scripts/omp_pools.py``: 2,000 additions of 200k floats on 2
+   threads, median): 24.5 ms alone, 42.8 ms (1.75x) once the main thread had run one 2-thread
+   op, 23.2 ms when that op ran on a thread that then exited. A server that loads its model on
+   the main thread, with all cores, therefore slowed every later prompt chunk.
+   ``run_on_scratch_thread`` runs such bulk work on a thread that exits when done, which frees
+   its pool.
+2. **A thread's first parallel op re-reads torch's process-wide count** (``at::init_num_threads``),
+   which ``torch.set_num_threads`` on any thread sets. A thread that sets its own count before
+   that first op can have it overwritten later. ``set_thread_count`` calls
+   ``torch.get_num_threads()`` first (which runs the lazy initialisation), then sets. The lookup
+   thread (``sfcl.engine.model_runner``) used to set 1 the plain way: it then ran on the
+   engine's count and kept a second pool (``scripts/omp_pools.py``: 42.4 ms, 1.74x, against
+   24.1 ms set the fixed way), so every prompt chunk after the first snapshot lookup was slower,
+   in every snapshot mode.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def set_thread_count(n: int) -> None:
+    """Give the calling thread ``n`` intra-op threads, for good (see the module docstring, 2).
+    Also sets torch's process-wide count, which threads started later take.
+    Raises ValueError if n < 1."""
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    torch.get_num_threads()  # runs this thread's lazy init now: it cannot undo the next line later
+    torch.set_num_threads(n)
+
+
+def run_on_scratch_thread(fn: Callable[..., T], *args, name: str = "sfcl-scratch", **kwargs) -> T:
+    """``fn(*args, **kwargs)`` on a new thread that exits when it returns; returns its result or
+    re-raises its exception in the caller. Whatever OpenMP pool ``fn``'s torch ops start dies
+    with the thread (module docstring, 1). The thread is a daemon: an interrupt of the caller
+    (Ctrl-C while it waits) does not wait for ``fn``. Objects ``fn`` builds (models, compiled
+    functions, tensors) are usable from any thread afterwards."""
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as is
+            box["error"] = e
+
+    t = threading.Thread(target=work, name=name, daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
