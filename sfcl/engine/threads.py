@@ -8,10 +8,9 @@ fast the engine's multi-threaded steps (prompt chunks on every core) run:
    threads together hold more threads than there are CPUs, libgomp shortens the spin of waiting
    threads from ~300,000 iterations to 100 (``gomp_throttled_spin_count_var``, libgomp's
    env.c), so each parallel region of the engine thread has to wake a sleeping worker through a
-   futex. Measured on this
-   project's 2-core CPU (``python scripts/omp_pools.py``: 2,000 additions of 200k floats on 2
-   threads, median): 24.5 ms alone, 42.8 ms (1.75x) once the main thread had run one 2-thread
-   op, 23.2 ms when that op ran on a thread that then exited. A server that loads its model on
+   futex. Measured on this project's 2-core CPU (``python scripts/omp_pools.py``: 2,000
+   additions of 200k floats on 2 threads, median): 24.5 ms alone, 42.8 ms (1.75x) once the main
+   thread had run one 2-thread op, 23.2 ms when that op ran on a thread that then exited. A server that loads its model on
    the main thread, with all cores, therefore slowed every later prompt chunk.
    ``run_on_scratch_thread`` runs such bulk work on a thread that exits when done, which frees
    its pool.
