@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
     from sfcl.model.compiled import dummy_decode_step
     from sfcl.model.loader import load_model
-    from sfcl.serving import DTYPES, load_anchors, make_llm_engine
+    from sfcl.serving import load_anchors, make_llm_engine
 
     torch.set_num_threads(a.threads)
     mcfg, scfg = ModelConfig(), SnapshotConfig()
-    lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device="cpu", cache_dir=scfg.cache_dir)
+    lm = load_model(mcfg.model, dtype=mcfg.dtype, device="cpu", cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, False)
     if a.weight_quant != "none":
         from sfcl.model.quant import quantize_weights

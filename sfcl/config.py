@@ -13,13 +13,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SFCL_CACHE_DIR", Path.home() / ".cache" / "sfcl"))
 
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # --dtype; "auto": sfcl.model.hardware.choose_dtype
 MAX_THREADS = 1024  # torch.set_num_threads(100000) segfaults in the OpenMP pool (4096 works)
 
 
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None  # None: bundled SmolLM2-135M-Instruct; else .gguf path or HF folder
-    dtype: str = "bfloat16"  # bfloat16 | float32
+    dtype: str = "auto"  # auto (bf16 where the CPU runs it natively, else fp32: sfcl.model.hardware) | bfloat16 | float32 | float16
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads of the engine thread for decode (None: serve picks
     # cores - 1, see sfcl.serving.engine_threads; other commands: torch's default)
@@ -28,8 +29,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {self.threads}")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError("dtype must be bfloat16, float32 or float16")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
         if self.weight_quant not in ("none", "int8", "int4"):
             raise ValueError("weight_quant must be none, int8 or int4")
         if self.weight_quant != "none" and not str(self.device).startswith("cpu"):

@@ -31,9 +31,6 @@ from sfcl.snapshot.snapshotter import Snapshotter
 from sfcl.snapshot.steering import SteerConfig
 from sfcl.snapshot.triggers import TriggerConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
 def tagged_log(tag: str, msg: str) -> None:
     """One start-up progress line on stderr, ``[TAG] msg``."""
     print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
@@ -221,7 +218,7 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
     main_threads = torch.get_num_threads()  # torch's process-wide count (new threads take it) comes back at the end
     try:
         torch.set_num_threads(prefill_threads)  # loading, and a first start's anchor build, are bulk work
-        lm = load_model(mcfg.model, dtype=DTYPES[mcfg.dtype], device=mcfg.device, cache_dir=scfg.cache_dir)
+        lm = load_model(mcfg.model, dtype=mcfg.dtype, device=mcfg.device, cache_dir=scfg.cache_dir)
         lib = load_anchors(lm, scfg, progress)
         if mcfg.weight_quant != "none":
             # after the library: a default library built on first start comes from the unquantized weights

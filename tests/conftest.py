@@ -42,7 +42,7 @@ def cache_dir() -> Path:
 def lm(cache_dir):
     from sfcl.model.loader import load_model
 
-    return load_model(None, dtype=torch.bfloat16, cache_dir=cache_dir)
+    return load_model(None, dtype="auto", cache_dir=cache_dir)  # bf16 only where the CPU runs it natively
 
 
 def _model_layout(lm) -> tuple:

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from sfcl.anchors.corpus import Document, corpus_hash
 from sfcl.anchors.store import save_library
 from sfcl.engine.kv_cache import KVCache
+from sfcl.model.hardware import fast_float_dtype
 from sfcl.model.llama import AttnBatch
 from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_table
 
@@ -157,8 +158,9 @@ def cluster(x: torch.Tensor, k: int, seed: int, iters: int, progress: bool = Tru
 
     x: (n, H) float32 unit rows. Returns (labels (n,) int64, centroids (k, H) float32 unit).
     Seeded initialisation from k distinct random points; an emptied cluster is re-seeded with the
-    point worst served by its centroid. Assignment runs in bfloat16 chunks (about 2x the float32
-    speed on CPUs with AVX-512 BF16); centroid updates accumulate in float32. scikit-learn's
+    point worst served by its centroid. Assignment runs in chunks in ``fast_float_dtype()``
+    (bfloat16 on CPUs with native bf16, about 2x float32 there; float32 elsewhere, where bf16 is
+    emulated and 30-47x slower); centroid updates accumulate in float32. scikit-learn's
     MiniBatchKMeans needs a first batch of >= k points and a float32 distance matrix, which at
     k = 32,768 was several times slower here; our loop is ~40 lines and deterministic.
     """
@@ -169,10 +171,11 @@ def cluster(x: torch.Tensor, k: int, seed: int, iters: int, progress: bool = Tru
     cent = x[torch.randperm(n, generator=g)[:k]].clone()  # (k, H)
     labels = torch.zeros(n, dtype=torch.int64)
     best = torch.zeros(n)
-    xb = x.to(torch.bfloat16)
+    fast = fast_float_dtype()
+    xb = x.to(fast)
     chunk = max(1, (1 << 26) // k)  # rows per chunk: ~64M similarity entries
     for _ in tqdm(range(iters), desc="anchors: k-means", unit="iter", disable=not progress):
-        cb = cent.to(torch.bfloat16).T.contiguous()  # (H, k)
+        cb = cent.to(fast).T.contiguous()  # (H, k)
         for s in range(0, n, chunk):
             sim = xb[s : s + chunk] @ cb  # (c, k)
             v, i = sim.max(1)

@@ -209,13 +209,12 @@ def cmd_inject(a) -> int:
     from sfcl.anchors.versions import describe_command, write_version
     from sfcl.config import default_cache_dir
     from sfcl.model.loader import load_model
-    from sfcl.serving import DTYPES
 
     if a.threads:
         torch.set_num_threads(a.threads)
     clauses = read_clauses(a.clauses)
     lib = load_library(a.lib)
-    lm = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device,
+    lm = load_model(a.model, dtype=a.dtype, device=a.device,
                     cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
     res = inject(lib, lm, clauses, weight=a.weight, decay=a.decay, dedupe_threshold=a.dedupe,
                  source=f"clauses:{Path(a.clauses).name}")

@@ -223,6 +223,9 @@ def _as(name: str, x, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to("cpu", dtype).contiguous()
 
 
+UNIT_NORM_TOL = 1e-3  # |norm - 1| of a float16-rounded unit vector (D <= 16k) stays far below this
+
+
 def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_probs, kinds,
                  span_doc, span_start, span_end, span_texts: list[str], doc_ids: list[str],
                  model_fingerprint: str, model_name: str, layer: int, build: dict,
@@ -265,7 +268,11 @@ def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_pro
     norms = v.norm(dim=1, keepdim=True)
     if n and not bool((norms > 0).all() and torch.isfinite(v).all()):
         raise ValueError("vectors: every row must be finite and non-zero")
-    t["vectors"] = (v / norms).to(torch.float16)
+    # rows already unit-norm to float16 precision (a library's own stored vectors, re-saved by
+    # inject/prune/versions) are kept as they are: dividing by a norm of 1 +- 1e-4 re-rounds some
+    # float16 elements, so a re-saved library would not be bit-identical to its parent
+    unit = (norms - 1.0).abs() <= UNIT_NORM_TOL
+    t["vectors"] = torch.where(unit, v, v / norms).to(torch.float16)
     if n and bool(((t["kinds"] != 0) & (t["kinds"] != 1)).any()):
         raise ValueError("kinds: values must be 0 (general) or 1 (domain)")
     if n and not bool((t["decay"] > 0).all()):

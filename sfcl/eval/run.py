@@ -261,11 +261,12 @@ def cmd_eval(a: argparse.Namespace) -> int:
         res[n]["wall_s"] = walls[n]
         res[n]["wall_tokens_per_s"] = res[n]["tokens"] / walls[n] if walls[n] > 0 else None
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    dtype = str(next(built.lm.model.parameters()).dtype).removeprefix("torch.")  # what --dtype auto resolved to
     meta = {"date": when, "command": "sfcl " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("sfcl", "cli.py")) else None,
             "model": built.lm.name, "anchors": str(built.library.path), "n_anchors": built.library.n_anchors,
             "docs": len(docs), "items": len(items), "seed": a.seed, "max_tokens": a.max_tokens,
             "summary_tokens": a.summary_tokens, "max_doc_tokens": budget, "bootstrap": a.bootstrap,
-            "device": a.device, "dtype": a.dtype, "documents": notes, "errors": errors}
+            "device": a.device, "dtype": dtype, "documents": notes, "errors": errors}
     per_item = [{"key": it.key, "doc_id": it.meta["question"].doc_id, "type": it.meta["question"].type,
                  "question": it.meta["question"].question, "gold": it.meta["question"].gold_texts,
                  "answers": {n: {"text": recs[n][i].text, "correct": bool(cols[n]["correct"][i]),
@@ -274,7 +275,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                              for n in names}} for i, it in enumerate(items)]
     (out / "eval.json").write_text(json.dumps({"meta": meta, "metrics": res, "items": per_item}, indent=1, default=str))
     md = (f"Evaluation on {len(docs)} ContractNLI NDAs, {len(items)} items ({sum(1 for it in items if it.meta['question'].gold)} "
-          f"QA), model {built.lm.name}, {built.library.n_anchors} anchors, greedy, {a.device}/{a.dtype}, {when}; "
+          f"QA), model {built.lm.name}, {built.library.n_anchors} anchors, greedy, {a.device}/{dtype}, {when}; "
           f"95% paired bootstrap CIs ({a.bootstrap} replicates).\n\n" + table(res) + "\n")
     (out / "eval.md").write_text(md)
     plot(res, out / "eval.png", f"sfcl eval: {len(docs)} NDAs, {len(items)} items, {built.lm.name}")

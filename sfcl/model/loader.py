@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from sfcl.model.hardware import resolve_dtype
 from sfcl.model.llama import LlamaArgs, LlamaModel, args_from_config, load_weights
 
 log = logging.getLogger("sfcl.model")
@@ -140,17 +141,20 @@ def _rope_params(cfg) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
-def load_model(spec: str | None = None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", device: str = "cpu",
                cache_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Load a model for serving.
 
     spec: None/"default" (bundled SmolLM2-135M-Instruct GGUF), a ``.gguf`` path or a HF folder.
-    dtype: serving dtype of weights and activations (bf16 default; fp32 for reference checks).
+    dtype: serving dtype of weights and activations: a torch dtype, a name (``bfloat16``, ``float32``,
+    ``float16``) or ``"auto"`` (default: bf16 where the device runs it natively, else fp32; see
+    ``sfcl.model.hardware.resolve_dtype``, which logs the choice on stderr).
     Raises ModelLoadError with an actionable message when the model is missing or unsupported.
     """
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
+    dtype = resolve_dtype(dtype, device)
     src = resolve_model(spec)
     cache = Path(cache_dir).expanduser() / "models" / _cache_key(src) if cache_dir else None
     if cache is not None and (cache / "done").is_file():

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sfcl.anchors.store import AnchorIndex, AnchorLibrary
+from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
 from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
 from sfcl.snapshot.context import ContextAnchors
@@ -115,19 +116,20 @@ class Snapshotter:
     ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
     typical cluster member gets confidence 0.5). search_int8_rows: on a CPU model, lookups of at
     most this many rows pick candidates from an int8 copy of the library (``AnchorIndex``,
-    int8_rows).
+    int8_rows). search_dtype: the dense search copy (default ``fast_float_dtype()``: bf16 on CPUs
+    with native bf16, float32 elsewhere).
     Raises ValueError for incomplete calibration or bad rules.
     """
 
     def __init__(self, library: AnchorLibrary, class_table: torch.Tensor, cfg: TriggerConfig | None = None,
-                 top_k: int = 3, search_dtype: torch.dtype = torch.bfloat16,
+                 top_k: int = 3, search_dtype: torch.dtype | None = None,
                  keyword_boost: list[KeywordRule] | None = None, steer: SteerConfig | None = None,
                  context_weight: float = 1.0, context_decay: float | None = None, search_int8_rows: int = 4):
         self.lib = library
         self.cfg = cfg or TriggerConfig()
         self.cal = Calibration.from_dict(library.calibration)
         # on CUDA the fused lookup searches on the device (DeviceAnchorIndex): no int8 CPU copy to build
-        self.index = AnchorIndex(library, dtype=search_dtype,
+        self.index = AnchorIndex(library, dtype=search_dtype or fast_float_dtype(),
                                  int8_rows=search_int8_rows if class_table.device.type == "cpu" else 0)
         self.class_table = class_table  # (V,) uint8, on the model's device
         self.enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=class_table.device)  # (3,)

@@ -1,0 +1,157 @@
+"""What this machine computes fast: the serving dtype that ``--dtype auto`` picks, from the CPU's
+flags and a start-up GEMM probe of a few milliseconds.
+
+Why it matters: bf16 halves weight and KV memory, and on a CPU with AVX-512 BF16 or AMX its GEMMs
+run about twice as fast as fp32. On a CPU without them (AVX2 only, e.g. the AMD EPYC this project
+also runs on) torch emulates bf16 and a bf16 GEMM of the decode shape [16 x 576] . [576 x 1536]
+ran at 1.2 GFLOP/s against 37-57 GFLOP/s in fp32 (one thread, torch 2.13): 30-47x slower. So
+``auto`` takes bf16 only where the CPU has native bf16 *and* the probe agrees; everything else runs
+fp32. On CUDA it takes bf16 where the device supports it, else fp16.
+
+Who calls it: ``sfcl.model.loader.load_model`` (``dtype="auto"``), and through it serving, the
+anchor builder, calibration, eval, bench and the tests; ``fast_float_dtype()`` also picks the
+dtype of CPU-side GEMMs that are not the model's (k-means assignment, the anchor search copy).
+The choice is printed once per process on stderr (``[DTYPE] ...``) with the measured rates.
+Nothing here keeps state but a per-process cache of the probe.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sfcl.config import DTYPE_CHOICES
+
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# x86 flags that mean hardware bf16 dot products (oneDNN/MKL then run bf16 GEMMs natively);
+# "bf16" is the aarch64 /proc/cpuinfo feature of the same meaning (Armv8.6 BF16).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+PROBE_SHAPE = (16, 576, 576)  # (M, K, N): a decode-batch GEMM of SmolLM2-135M's width
+PROBE_BUDGET_S = 0.012  # per dtype: repeat the GEMM until this much time has passed (at least 2 calls)
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The outcome of ``choose_dtype``: what ``auto`` resolved to, and why."""
+
+    dtype: torch.dtype
+    reason: str  # one line for logs
+    gflops: dict[str, float] = field(default_factory=dict)  # probe rate per dtype name, GFLOP/s, one thread
+    native_bf16: bool | None = None  # CPU flags say native bf16 (None: flags unknown / not a CPU)
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo`` ``flags`` or ``Features``); empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(val.split())
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool | None:
+    """True/False from the CPU flags, None when they cannot be read (then the probe decides)."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return None
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def gemm_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = PROBE_SHAPE,
+                budget_s: float = PROBE_BUDGET_S) -> float:
+    """GFLOP/s of ``x @ w`` (x (M, K), w (K, N), ``dtype``) on the calling thread's torch threads,
+    from a warm-up call and then as many calls as fit in ``budget_s`` (at least 2; the best
+    call's time counts, which resists a preempted call on a shared machine)."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(k, n, generator=g).to(dtype)
+    torch.matmul(x, w)  # warm-up: kernel selection, page faults
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 2 or spent < budget_s:
+        t0 = time.perf_counter()
+        torch.matmul(x, w)
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return 2.0 * m * k * n / best / 1e9
+
+
+def _probe_one_thread(dtypes: tuple[torch.dtype, ...]) -> dict[str, float]:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # per-thread rates: comparable across machines and not disturbed by other jobs
+        return {str(dt).removeprefix("torch."): gemm_gflops(dt) for dt in dtypes}
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose_dtype(device: str = "cpu") -> DtypeChoice:
+    """The serving dtype for ``--dtype auto`` on ``device`` (cached per process).
+
+    CPU: bfloat16 when the CPU flags show native bf16 (``NATIVE_BF16_FLAGS``; unknown flags count
+    as possible) and the probe measures bf16 at least as fast as fp32; float32 otherwise.
+    CUDA: bfloat16 if ``torch.cuda.is_bf16_supported()``, else float16. Other devices: float32.
+    """
+    return _choose(torch.device(device).type)
+
+
+@functools.cache
+def _choose(device_type: str) -> DtypeChoice:
+    dev = torch.device(device_type)
+    if dev.type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return DtypeChoice(torch.bfloat16 if ok else torch.float16,
+                           "CUDA device " + ("supports bf16" if ok else "without bf16: float16"))
+    if dev.type != "cpu":
+        return DtypeChoice(torch.float32, f"device {dev.type}: float32")
+    native = has_native_bf16()
+    rates = _probe_one_thread((torch.float32, torch.bfloat16))
+    fp32, bf16 = rates["float32"], rates["bfloat16"]
+    cap = torch.backends.cpu.get_cpu_capability()
+    what = {True: "native bf16 (" + "/".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) + ")",
+            False: "no native bf16", None: "CPU flags unknown"}[native]
+    cpu = f"{platform.machine()} {cap}, {what}"
+    if native is not False and bf16 >= fp32:
+        return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} >= fp32 {fp32:.1f} GFLOP/s", rates, native)
+    return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} GFLOP/s", rates, native)
+
+
+_logged: set[str] = set()
+
+
+def resolve_dtype(spec: str | torch.dtype | None, device: str = "cpu", log: bool = True) -> torch.dtype:
+    """``--dtype`` value -> torch dtype. ``"auto"`` / None run ``choose_dtype(device)`` and, the first
+    time per device in a process, print the choice on stderr as ``[DTYPE] auto -> float32: ...``.
+    Raises ValueError for an unknown name."""
+    if isinstance(spec, torch.dtype):
+        return spec
+    if spec in (None, "auto"):
+        kind = torch.device(device).type
+        choice = choose_dtype(kind)
+        if log and kind not in _logged:
+            _logged.add(kind)
+            print(f"[DTYPE] auto -> {choice.name}: {choice.reason}", file=sys.stderr, flush=True)
+        return choice.dtype
+    if spec not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {spec!r}")
+    return DTYPE_NAMES[spec]
+
+
+def fast_float_dtype() -> torch.dtype:
+    """The dtype for bulk CPU GEMMs outside the model (k-means assignment, anchor search copies):
+    what ``auto`` picks on this CPU (bf16 only with native support)."""
+    return choose_dtype("cpu").dtype
