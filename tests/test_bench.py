@@ -80,30 +80,38 @@ def row(system, workload, c, tps=None, ttft95=None, tpot=None):
 
 def synthetic_rows():
     return [row("sfcl-off", "concurrent", 16, tps=100.0), row("sfcl-triggered", "concurrent", 16, tps=99.0),
-            row("sfcl-always", "concurrent", 16, tps=50.0), row("llamacpp", "concurrent", 16, tps=40.0),
-            row("sfcl-triggered", "single", 1, tpot=20.0), row("llamacpp", "single", 1, tpot=10.0),
+            row("sfcl-always", "concurrent", 16, tps=50.0), row("llama-server", "concurrent", 16, tps=40.0),
+            row("llamacpp", "concurrent", 16, tps=20.0),
+            row("sfcl-triggered", "concurrent", 32, tps=120.0), row("llama-server", "concurrent", 32, tps=80.0),
+            row("sfcl-triggered", "single", 1, tpot=20.0), row("llama-server", "single", 1, tpot=10.0),
             row("sfcl-triggered", "longdoc-cold", 1, ttft95=1000.0),
-            row("sfcl-triggered", "longdoc-repeat", 1, ttft95=80.0)]
+            row("sfcl-triggered", "longdoc-repeat", 1, ttft95=80.0),
+            row("llama-server", "longdoc-cold", 1, ttft95=2500.0)]
 
 
 def test_targets_ratios_and_marks():
-    thr, dec, trig, alw, pc, pc_llama = report.compute_targets(synthetic_rows())
-    assert thr.name.startswith("throughput at 16 streams, sfcl-triggered / llamacpp")
-    assert thr.value == pytest.approx(99.0 / 40.0) and thr.mark == "FAIL"
+    c16, c32, dec, cold, pc, pc_peer, rss, trig, alw, second = report.compute_targets(synthetic_rows())
+    assert c16.name.startswith("throughput at 16 streams, sfcl-triggered / llama-server")
+    assert c16.value == pytest.approx(99.0 / 40.0) and c16.mark == "PASS"  # >= 1.5
+    assert c32.name.startswith("throughput at 32 streams") and c32.value == pytest.approx(1.5) and c32.mark == "FAIL"
     assert dec.name.startswith("single-stream decode")
     assert dec.value == pytest.approx(0.5) and dec.mark == "FAIL"  # TPOT 20 ms vs 10 ms
+    assert cold.value == pytest.approx(0.4) and cold.mark == "PASS"  # 1000 vs 2500 ms, <= 0.5
+    assert pc.name.endswith("sfcl-triggered") and pc.value == pytest.approx(0.08) and pc.mark == "PASS"
+    assert pc_peer.value is None and pc_peer.passed is None and pc_peer.mark == "info"
+    assert rss.value == pytest.approx(1.0) and rss.mark == "PASS"  # both rows 1 GiB
     assert trig.name == "throughput sfcl-triggered / sfcl-off (16 streams)"
     assert trig.value == pytest.approx(0.99) and trig.mark == "PASS"
     assert alw.value == pytest.approx(0.5) and alw.mark == "info"
-    assert pc.name.endswith("sfcl-triggered") and pc.value == pytest.approx(0.08) and pc.mark == "PASS"
-    assert pc_llama.value is None and pc_llama.passed is None and pc_llama.mark == "info"
+    assert second.value == pytest.approx(99.0 / 20.0) and second.mark == "info"
 
 
 def test_targets_fall_back_to_largest_common_level():
-    rows = [row("sfcl-triggered", "concurrent", 4, tps=30.0), row("llamacpp", "concurrent", 4, tps=10.0),
+    rows = [row("sfcl-triggered", "concurrent", 4, tps=30.0), row("llama-server", "concurrent", 4, tps=10.0),
             row("sfcl-triggered", "concurrent", 8, tps=60.0)]
     c = report.compute_targets(rows)[0]
     assert c.name.startswith("throughput at 4 streams") and c.value == pytest.approx(3.0) and c.mark == "PASS"
+    assert "16 not measured" in c.detail
 
 
 def test_markdown_json_and_plots_written(tmp_path):
@@ -118,7 +126,7 @@ def test_markdown_json_and_plots_written(tmp_path):
                "llamacpp|concurrent|c16": [sample(300.0, [20.0, 25.0])]}
     report.write_json(tmp_path / "r.json", rows, checks, meta, samples)
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert len(doc["summaries"]) == len(rows) and doc["targets"][2]["mark"] == "PASS"
+    assert len(doc["summaries"]) == len(rows) and doc["targets"][0]["mark"] == "PASS"
     assert doc["samples"]["llamacpp|concurrent|c16"][0]["ttft_ms"] == 300.0
     pngs = report.write_plots(tmp_path, rows, samples)
     assert {p.name for p in pngs} == {"throughput_vs_concurrency.png", "latency_hist.png", "longdoc_ttft.png"}

@@ -337,6 +337,42 @@ def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None
                    snapshots=False)
 
 
+def run_llama_server(a, plan: Plan, res: Results, out: Path, binary: Path) -> None:
+    """llama.cpp's native ``llama-server`` (``sfcl.bench.llama_server``): a fresh server per workload
+    level with ``-np`` = the level's concurrency (single stream and the long document: ``-np 1``), so
+    each level gets the slots it needs and no more, and its peak RSS is its own. Each slot holds
+    ``--llama-server-ctx`` tokens (the long-document server at least the document + answer).
+    Raises RuntimeError when a server does not come up (the caller notes it)."""
+    from sfcl.bench.llama_server import llama_server_argv
+    from sfcl.model.loader import resolve_model
+
+    src = resolve_model(a.model)
+    if not src.gguf_file:
+        res.notes.append("llama-server skipped: --model is not a .gguf file")
+        return
+    doc = plan.docs[0] if plan.docs else None
+    runs = []  # (n_parallel, ctx per slot, the plan to run on it)
+    if "single" in plan.workloads:
+        runs.append((1, a.llama_server_ctx, dataclasses.replace(plan, workloads=("single",))))
+    if "concurrent" in plan.workloads:
+        runs += [(c, a.llama_server_ctx, dataclasses.replace(plan, workloads=("concurrent",), levels=(c,)))
+                 for c in plan.levels]
+    if "longdoc" in plan.workloads and doc is not None:
+        need = len(doc.text) // 2 + plan.longdoc_max_tokens + 256  # generous: >= 2 characters per token
+        runs.append((1, max(a.llama_server_ctx, need), dataclasses.replace(plan, workloads=("longdoc",))))
+    for n_par, ctx, sub in runs:
+        port = peers.free_port()
+        argv = llama_server_argv(binary, str(src.path), port, n_parallel=n_par, ctx_per_slot=ctx, threads=a.threads,
+                                 extra=shlex.split(a.llama_server_args))
+        with peers.ServerProcess(f"llama-server-np{n_par}", argv, port, out / "logs", ready_path="/health") as srv:
+            srv.wait_ready(a.ready_timeout)
+            t = _target("llama-server", srv.url, plan)
+            if not any(n.startswith("llama-server:") for n in res.notes):
+                res.notes.append(_eos_note(t, plan) + f"; `{shlex.join(argv[1:])}` per level (-np = the level, "
+                                 f"-c = np x {a.llama_server_ctx})")
+            bench_http(t, sub, res, tag=f"ls{n_par}", doc=doc, monitor=srv.monitor, snapshots=False)
+
+
 def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
     """transformers generate() in a subprocess (its own RSS); see sfcl.bench.hf_runner."""
     jobs = []
