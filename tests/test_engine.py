@@ -178,12 +178,12 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills_in_chunks(lm
     assert steps_while_prefilling >= len(nda_prompt) // 127
 
 
-def test_int8_kv_cache_follows_bf16_logits(lm, nda_prompt):
+def test_int8_kv_cache_follows_model_dtype_logits(lm, nda_prompt):
     from sfcl.engine.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
 
     def final_logits(kv_dtype):
-        kv = KVCache(lm.args, 1, 4096, torch.bfloat16, kv_dtype=kv_dtype)
+        kv = KVCache(lm.args, 1, 4096, lm.model.embed_tokens.weight.dtype, kv_dtype=kv_dtype)
         T = len(nda_prompt)
         for a in range(0, T, 256):  # chunked, so later chunks attend to the stored (quantized) KV
             b = min(T, a + 256)
@@ -196,7 +196,7 @@ def test_int8_kv_cache_follows_bf16_logits(lm, nda_prompt):
     assert ref.argmax() == q.argmax() and float(kl) < 0.02
 
     def decode_logits(kv_dtype, n=8):  # teacher-forced one-token decode steps over the stored KV
-        kv = KVCache(lm.args, 2, 4096, torch.bfloat16, kv_dtype=kv_dtype)
+        kv = KVCache(lm.args, 2, 4096, lm.model.embed_tokens.weight.dtype, kv_dtype=kv_dtype)
         T = len(nda_prompt) - n
         lm.model(torch.tensor([nda_prompt[:T]]), AttnBatch(True, torch.tensor([0]), torch.arange(T), T), kv, 3,
                  want_probs=False)

@@ -94,7 +94,17 @@ def test_fused_lookup_equals_unfused_with_one_transfer_per_step(lm, nda_library)
     for rid in ev_u:
         su = [snap_view(e) for e in ev_u[rid] if isinstance(e, SnapshotEvent)]
         sf = [snap_view(e) for e in ev_f[rid] if isinstance(e, SnapshotEvent)]
-        assert su == sf
+        # exact in everything but the float scores: the fused path searches the device copy of the
+        # library (fp32 on a CPU without native bf16), the unfused one the host copy, ~1e-6 apart
+        def exact(v):
+            steer = v[7] and {k: x for k, x in v[7].items() if k != "lambda"}
+            return v[:5] + (v[6], steer, [(a, k) for a, _, k in v[8]])
+
+        assert [exact(v) for v in su] == [exact(v) for v in sf]
+        assert [v[5] for v in su] == pytest.approx([v[5] for v in sf], abs=1e-5)
+        lam = [[v[7]["lambda"] for v in s if v[7]] for s in (su, sf)]
+        assert lam[0] == pytest.approx(lam[1], abs=1e-5)
+        assert [s for v in su for _, s, _ in v[8]] == pytest.approx([s for v in sf for _, s, _ in v[8]], abs=1e-5)
         text = ["".join(e.text for e in ev[rid] if isinstance(e, TextDelta)) for ev in (ev_u, ev_f)]
         assert text[0] == text[1]
     snaps = {rid: [e for e in ev_f[rid] if isinstance(e, SnapshotEvent)] for rid in ev_f}

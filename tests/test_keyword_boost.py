@@ -99,10 +99,10 @@ def test_boost_applies_to_requests_mentioning_a_keyword(lm, nda_library):
     lib = dataclasses.replace(nda_library, manifest={**nda_library.manifest, "keyword_boost": RULES})
     assert library_rules(lib) == parse_rules(RULES)
     eng.runner.snapshotter = Snapshotter(lib, table)
-    assert snapshot_confidences(eng, with_kw) == pytest.approx(boosted, rel=1e-6)
+    assert snapshot_confidences(eng, with_kw) == pytest.approx(boosted, rel=1e-5)
     # a request without the keyword is not boosted
     other = chat("Which court decides disputes about this agreement?")
     eng.runner.snapshotter = Snapshotter(nda_library, table)
     base = snapshot_confidences(eng, other)
     eng.runner.snapshotter = Snapshotter(nda_library, table, keyword_boost=parse_rules(RULES))
-    assert snapshot_confidences(eng, other) == pytest.approx(base, rel=1e-6)
+    assert snapshot_confidences(eng, other) == pytest.approx(base, rel=1e-5)
