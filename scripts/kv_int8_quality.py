@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.config import EngineConfig, default_cache_dir
+from sfcl.config import EngineConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
 from sfcl.engine.kv_cache import KVCache
@@ -35,7 +35,8 @@ from sfcl.serving import make_llm_engine
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/contractnli/dev.json"))
+    ap.add_argument("--data", default=str(contractnli_path()),
+                   help="ContractNLI JSON (default: $SFCL_DATA_DIR/contractnli/dev.json, else ../shared/data/contractnli/dev.json)")
     ap.add_argument("--docs", type=int, default=8, help="documents for perplexity")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per document")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk for the teacher-forced pass")

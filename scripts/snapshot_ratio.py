@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from sfcl.anchors.corpus import read_corpus
 from sfcl.anchors.store import load_library
-from sfcl.config import EngineConfig, default_cache_dir
+from sfcl.config import EngineConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
@@ -27,7 +26,8 @@ from sfcl.serving import make_llm_engine
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--anchors", required=True, help="anchor library directory")
-ap.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/data/contractnli/dev.json"))
+ap.add_argument("--corpus", default=str(contractnli_path()),
+                help="ContractNLI JSON (default: $SFCL_DATA_DIR/contractnli/dev.json, else ../shared/data/contractnli/dev.json)")
 ap.add_argument("--doc-id", default="dev:590", help="document id in the corpus (default: a 23.7k-char NDA)")
 ap.add_argument("--max-tokens", type=int, default=400)
 ap.add_argument("--threads", type=int, default=2)

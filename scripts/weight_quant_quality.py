@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from sfcl.anchors.corpus import read_corpus
 from sfcl.anchors.store import AnchorIndex
-from sfcl.config import EngineConfig, SnapshotConfig, default_cache_dir
+from sfcl.config import EngineConfig, SnapshotConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
 from sfcl.engine.request import SamplingParams
@@ -61,7 +61,8 @@ def step_ms(lm, lib, batch: int, steps: int, ids: list[int]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/contractnli/dev.json"))
+    ap.add_argument("--data", default=str(contractnli_path()),
+                   help="ContractNLI JSON (default: $SFCL_DATA_DIR/contractnli/dev.json, else ../shared/data/contractnli/dev.json)")
     ap.add_argument("--docs", type=int, default=4, help="documents for perplexity and tap drift")
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per document")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk for the teacher-forced pass")

@@ -13,6 +13,27 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SFCL_CACHE_DIR", Path.home() / ".cache" / "sfcl"))
 
 
+def contractnli_path() -> Path:
+    """Where the ContractNLI dev set (``contractnli/dev.json``; Koreeda & Manning 2021, CC BY 4.0,
+    never copied into the repo) is read from: ``$SFCL_DATA_DIR/contractnli/dev.json`` when
+    ``SFCL_DATA_DIR`` is set, else ``../shared/data/contractnli/dev.json`` beside the SFCL source
+    checkout this package was imported from, else beside the checkout containing the current
+    working directory. Returns the first candidate that exists, or the first candidate (for the
+    error message) when none does; never raises. The one place this path is computed: the bench's
+    long-document workload, ``sfcl eval``, the scripts and the tests all call it."""
+    env = os.environ.get("SFCL_DATA_DIR")
+    if env:
+        return Path(env).expanduser() / "contractnli" / "dev.json"
+    roots = []
+    here = Path(__file__).resolve().parents[1]  # the checkout; site-packages when installed
+    if (here / "pyproject.toml").is_file():
+        roots.append(here)
+    cwd = Path.cwd().resolve()
+    roots += [d for d in (cwd, *cwd.parents) if (d / "pyproject.toml").is_file()][:1] or [cwd]
+    paths = [r.parent / "shared" / "data" / "contractnli" / "dev.json" for r in roots]
+    return next((p for p in paths if p.is_file()), paths[0])
+
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # --dtype; "auto": sfcl.model.hardware.choose_dtype
 MAX_THREADS = 1024  # torch.set_num_threads(100000) segfaults in the OpenMP pool (4096 works)
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sfcl.config import contractnli_path
+
 REPO = Path(__file__).resolve().parents[1]
-CONTRACTNLI = REPO.parent / "shared" / "data" / "contractnli" / "dev.json"
+CONTRACTNLI = contractnli_path()  # $SFCL_DATA_DIR/contractnli/dev.json or ../shared/data/contractnli/dev.json
 CACHE = Path(os.environ.get("SFCL_TEST_CACHE", REPO / ".cache" / "test"))
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -27,7 +29,8 @@ def contractnli_docs(n: int | None = None):
     from sfcl.anchors.corpus import read_corpus
 
     if not CONTRACTNLI.is_file():
-        pytest.skip(f"ContractNLI data not found at {CONTRACTNLI} (expected ../shared/data/contractnli/dev.json)")
+        pytest.skip(f"ContractNLI data not found at {CONTRACTNLI} (expected ../shared/data/contractnli/dev.json "
+                    "or $SFCL_DATA_DIR/contractnli/dev.json)")
     docs = read_corpus([CONTRACTNLI])
     return docs[:n] if n else docs
 

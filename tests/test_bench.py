@@ -223,6 +223,57 @@ def test_stream_cut_without_finish_reason_is_an_error(finish):
     assert (s.error is None) == (finish is not None)
 
 
+def _chunked_sse(chunks: list[bytes], sent: list[float], content_type: str = "text/event-stream"):
+    """A MockTransport whose response body arrives as ``chunks``, one network read each; the
+    monotonic time each chunk is handed to the client is appended to ``sent``."""
+    import time
+
+    import httpx
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for c in chunks:
+                sent.append(time.monotonic())
+                yield c
+
+    return httpx.MockTransport(lambda request: httpx.Response(200, headers={"content-type": content_type},
+                                                              stream=Body()))
+
+
+def test_stream_chat_times_each_chunk_when_its_read_completes_it():
+    """A frame split over two reads is timed at the second; each frame is timed before the next
+    read is even requested (the reader hands frames over per read, it does not buffer)."""
+    import httpx
+
+    def frame(delta, fr=None):
+        return ("data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": fr}]}) + "\n\n").encode()
+
+    a, b = frame({"content": "a"}), frame({"content": " b"})
+    chunks = [a[:9], a[9:], b, frame({}, "length") + b"data: [DONE]\n\n"]
+    sent: list[float] = []
+
+    async def go():
+        async with httpx.AsyncClient(transport=_chunked_sse(chunks, sent)) as c:
+            return await clients.stream_chat(c, clients.Target("m", "http://peer"), [{"role": "user", "content": "x"}], 4)
+
+    s = asyncio.run(go())
+    assert s.error is None and s.output_tokens == 2 and len(sent) == 4
+    at = [s.start_s + ms / 1e3 for ms in s.chunk_times_ms]  # back to the monotonic clock
+    assert sent[1] <= at[0] < sent[2] <= at[1] < sent[3]
+
+
+def test_stream_chat_non_sse_response_is_an_error():
+    import httpx
+
+    async def go():
+        transport = _chunked_sse([b'{"choices": []}'], [], content_type="application/json")
+        async with httpx.AsyncClient(transport=transport) as c:
+            return await clients.stream_chat(c, clients.Target("m", "http://peer"), [{"role": "user", "content": "x"}], 4)
+
+    s = asyncio.run(go())
+    assert s.error.startswith("SSEError: Expected response header Content-Type") and s.output_tokens == 0
+
+
 def test_probe_drops_fields_the_server_rejects(serve):
     url, _ = serve()
     t = clients.Target("fake", url, model=clients.discover_model(url), extra_body={"min_tokens": 8})
@@ -393,3 +444,23 @@ def test_cli_bench_bad_arguments_exit_2(argv, msg, capsys, tmp_path):
     assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sfcl: error:") and msg in err[0]
+
+
+def test_bench_flags_map_one_to_one_onto_bench_config():
+    """Every BenchConfig field is a flag with the record's default; --concurrency is None unless
+    given (so --quick can tell "not given" from the default), and --quick shrinks only what it says."""
+    from sfcl.bench.config import BenchConfig
+    from sfcl.bench.run import quick_sized
+    from sfcl.cli import build_parser
+    from sfcl.cli.bench import bench_config
+
+    parse = build_parser().parse_args
+    assert bench_config(parse(["bench"])) == BenchConfig()
+    cfg = bench_config(parse(["bench", "--concurrency", "2,3", "--peer-url", "a=http://x", "--peer-url", "http://y",
+                              "--quick", "--max-tokens", "9", "--no-ignore-eos"]))
+    assert cfg.concurrency == "2,3" and cfg.peer_url == ("a=http://x", "http://y") and cfg.no_ignore_eos
+    q = quick_sized(cfg)
+    assert (q.concurrency, q.max_tokens, q.requests_per_level, q.single_requests) == ("2,3", 9, 8, 3)
+    assert quick_sized(bench_config(parse(["bench", "--quick"]))).concurrency == "4"
+    assert quick_sized(bench_config(parse(["bench", "--concurrency", "1,4,8,16,32", "--quick"]))).concurrency \
+        == "1,4,8,16,32"  # given explicitly: kept, even when it is the default

@@ -164,6 +164,24 @@ def test_sse_parser_truncated_stream_warns_and_discards():
         assert frames_of(["data: complete line but no blank line\n"]) == []
 
 
+def test_aiter_response_events_reads_an_httpx_stream_and_refuses_non_sse():
+    from httpx_sse import SSEError
+
+    from sfcl.client import aiter_response_events
+
+    data = MESSAGES_STREAM.encode("utf-8")
+
+    async def frames(content_type):
+        transport = httpx.MockTransport(lambda r: httpx.Response(200, headers={"content-type": content_type},
+                                                                 content=data))
+        async with httpx.AsyncClient(transport=transport) as c, c.stream("GET", "http://x/") as r:
+            return [(f.event, f.data, f.id) async for f in aiter_response_events(r)]
+
+    assert asyncio.run(frames("text/event-stream; charset=utf-8")) == MESSAGES_FRAMES
+    with pytest.raises(SSEError, match="text/event-stream"):
+        asyncio.run(frames("application/json"))
+
+
 def test_decoder_every_byte_boundary_both_routes():
     for route, text in (("messages", MESSAGES_STREAM), ("chat", CHAT_STREAM)):
         want = expected_events(route)

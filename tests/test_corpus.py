@@ -17,8 +17,9 @@ from sfcl.anchors.corpus import (
     sample_corpus_dir,
     sample_corpus_files,
 )
+from sfcl.config import contractnli_path
 
-CONTRACTNLI_DEV = Path(__file__).resolve().parents[2] / "shared/data/contractnli/dev.json"
+CONTRACTNLI_DEV = contractnli_path()
 
 # Entity patterns the fidelity layer cares about.
 DURATION_RE = re.compile(

@@ -221,10 +221,11 @@ def test_engine_with_static_decode_path_equals_eager(fp32, nda_library):
 
 
 def test_enforce_eager_flag_and_cpu_defaults(lm):
-    from sfcl.cli import _configs, build_parser
+    from sfcl.cli import build_parser
+    from sfcl.cli.flags import configs
 
     a = build_parser().parse_args(["serve", "--enforce-eager"])
-    assert _configs(a)[1].enforce_eager is True
-    assert _configs(build_parser().parse_args(["serve"]))[1].enforce_eager is False
+    assert configs(a)[1].enforce_eager is True
+    assert configs(build_parser().parse_args(["serve"]))[1].enforce_eager is False
     eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2))  # CPU: always eager, unfused
     assert eng.runner.graphs is None and eng.runner.fused_lookup is False

@@ -116,11 +116,12 @@ def test_bad_values_error_cleanly():
 
 
 def test_cli_flag_maps_to_model_config(capsys):
-    from sfcl.cli import _configs, build_parser, main
+    from sfcl.cli import build_parser, main
+    from sfcl.cli.flags import configs
 
-    mc, _, _ = _configs(build_parser().parse_args(["serve", "--weight-quant", "int4"]))
+    mc, _, _ = configs(build_parser().parse_args(["serve", "--weight-quant", "int4"]))
     assert mc.weight_quant == "int4"
-    mc, _, _ = _configs(build_parser().parse_args(["generate", "hi"]))
+    mc, _, _ = configs(build_parser().parse_args(["generate", "hi"]))
     assert mc.weight_quant == "none"
     with pytest.raises(SystemExit) as e:
         main(["serve", "--weight-quant", "int3"])

@@ -262,29 +262,6 @@ def summary_text(lib: AnchorLibrary, res: AuditResult, cfg: AuditConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------
-# Commands
-
-
-def _config(a) -> AuditConfig:
-    return AuditConfig(k=a.k, pollution_threshold=a.pollution_threshold, density_z=a.density_z,
-                       max_points=getattr(a, "max_points", 5000), projection=getattr(a, "projection", "tsne"),
-                       seed=a.seed)
-
-
-def cmd_audit(a) -> int:
-    from sfcl.anchors.store import load_library
-
-    lib = load_library(a.lib)
-    cfg = _config(a)
-    res = audit_library(lib, cfg)
-    out = Path(a.out) if a.out else Path(f"anchor-audit-{lib.content_hash[:12]}")
-    write_report(lib, res, cfg, out)
-    print(summary_text(lib, res, cfg), end="")
-    print(f"[ANCHOR] audit report: {out / REPORT_FILE}, {out / SUMMARY_FILE}, {out / PLOT_FILE}")
-    return 0
-
-
 def flagged_from_report(lib: AnchorLibrary, report_dir) -> np.ndarray:
     """Flagged anchor ids from an audit report of exactly this library (content hash checked)."""
     p = Path(report_dir) / REPORT_FILE
@@ -299,58 +276,3 @@ def flagged_from_report(lib: AnchorLibrary, report_dir) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= lib.n_anchors):
         raise ValueError(f"audit report {p} has anchor ids outside 0..{lib.n_anchors - 1}")
     return ids
-
-
-def cmd_prune(a) -> int:
-    from sfcl.anchors.store import load_library
-    from sfcl.anchors.versions import describe_command, library_fields, select, write_version
-
-    if not a.flagged:
-        raise ValueError("say what to prune: --flagged (the anchors an audit flags)")
-    lib = load_library(a.lib)
-    if a.report:
-        ids = flagged_from_report(lib, a.report)
-    else:
-        ids = np.nonzero(audit_library(lib, _config(a)).flagged)[0]
-    keep = np.ones(lib.n_anchors, bool)
-    keep[ids] = False
-    if not keep.any():
-        raise ValueError("every anchor is flagged; refusing to write an empty library")
-    path = write_version(a.out, select(library_fields(lib), torch.from_numpy(keep)),
-                         command=describe_command(a), parent=lib)
-    print(f"[ANCHOR] pruned {len(ids)} flagged anchors, {int(keep.sum())} left; new version {path}")
-    return 0
-
-
-def _audit_flags(p) -> None:
-    p.add_argument("--k", type=int, default=10, help="nearest neighbours for density and neighbourhood pollution")
-    p.add_argument("--pollution-threshold", type=float, default=0.6,
-                   help="neighbourhood span pollution (0..1) at or above which a region is low-quality")
-    p.add_argument("--density-z", type=float, default=1.0,
-                   help="robust z-score of kNN density at or above which an anchor is in a dense region")
-    p.add_argument("--seed", type=int, default=0, help="seed of the projection sample and t-SNE")
-
-
-def add_parser(asub) -> None:
-    """``sfcl anchors audit`` and ``sfcl anchors prune`` (asub: the anchors subparsers)."""
-    import argparse
-
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
-    p = asub.add_parser("audit", help="find dense clusters of low-quality (stop-word/boilerplate) anchors", **fmt)
-    p.add_argument("lib", help="library: a root (its CURRENT version), a version or a plain directory")
-    p.add_argument("--out", default=None,
-                   help="report directory for report.json, summary.txt, projection.png "
-                        "(default ./anchor-audit-<content hash>)")
-    p.add_argument("--projection", default="tsne", choices=["tsne", "pca"], help="2-D projection method")
-    p.add_argument("--max-points", type=int, default=5000, help="anchors shown in the projection (sampled)")
-    _audit_flags(p)
-    p.set_defaults(fn=cmd_audit)
-    q = asub.add_parser("prune", help="write a new library version without the audit's flagged anchors", **fmt)
-    q.add_argument("lib", help="library: a root (its CURRENT version), a version or a plain directory")
-    q.add_argument("--flagged", action="store_true", help="drop the anchors the audit flags")
-    q.add_argument("--report", default=None,
-                   help="audit report directory to take the flagged ids from (default: audit LIB now "
-                        "with the thresholds below)")
-    q.add_argument("--out", required=True, help="library root to write the new version into (may be LIB's root)")
-    _audit_flags(q)
-    q.set_defaults(fn=cmd_prune)

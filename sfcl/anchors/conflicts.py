@@ -28,9 +28,7 @@ CPU only; cost O(M * N_general * D) plus the k-means.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -127,51 +125,3 @@ def report(lib: AnchorLibrary, res: ConflictResult, cfg: ConflictConfig) -> tupl
                          f"{r['span'][:90]!r}")
             lines.append(f"      nearest general: {r['nearest_general'][0]['span'][:90]!r}")
     return rep, "\n".join(lines) + "\n"
-
-
-def cmd_conflicts(a) -> int:
-    from sfcl.anchors.store import load_library
-    from sfcl.anchors.versions import describe_command, library_fields, select, write_version
-
-    if a.drop and not a.out:
-        raise ValueError("--drop writes a new version: give --out ROOT")
-    lib = load_library(a.lib)
-    cfg = ConflictConfig(sim=a.sim, k=a.k, centre_dist=a.centre_dist, n_clusters=a.n_clusters,
-                         centred=not a.raw, seed=a.seed)
-    res = find_conflicts(lib, cfg)
-    rep, text = report(lib, res, cfg)
-    print(text, end="")
-    if a.report:
-        out = Path(a.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / REPORT_FILE).write_text(json.dumps(rep, indent=1, ensure_ascii=False), encoding="utf-8")
-        (out / SUMMARY_FILE).write_text(text, encoding="utf-8")
-        print(f"[ANCHOR] conflict report: {out / REPORT_FILE}")
-    if a.drop:
-        keep = np.ones(lib.n_anchors, bool)
-        keep[res.flagged_ids] = False
-        path = write_version(a.out, select(library_fields(lib), torch.from_numpy(keep)),
-                             command=describe_command(a), parent=lib)
-        print(f"[ANCHOR] dropped {int(res.flagged.sum())} conflicting domain anchors; new version {path}")
-    return 0
-
-
-def add_parser(asub) -> None:
-    """``sfcl anchors conflicts`` (asub: the anchors subparsers)."""
-    import argparse
-
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
-    p = asub.add_parser("conflicts", help="report (and optionally drop) domain anchors that crowd general ones", **fmt)
-    p.add_argument("lib", help="library: a root (its CURRENT version), a version or a plain directory")
-    p.add_argument("--sim", type=float, default=0.85,
-                   help="flag a domain anchor whose mean cosine to its k nearest general anchors exceeds this")
-    p.add_argument("--k", type=int, default=5, help="nearest general anchors averaged")
-    p.add_argument("--centre-dist", type=float, default=0.15,
-                   help="flag a domain anchor closer than this cosine distance to a general cluster centre")
-    p.add_argument("--n-clusters", type=int, default=32, help="k-means clusters over the general anchors")
-    p.add_argument("--raw", action="store_true", help="plain cosine instead of the centred space")
-    p.add_argument("--seed", type=int, default=0, help="k-means seed")
-    p.add_argument("--report", default=None, help="directory for conflicts.json and conflicts.txt")
-    p.add_argument("--drop", action="store_true", help="write a new version without the flagged anchors")
-    p.add_argument("--out", default=None, help="library root for the new version (with --drop)")
-    p.set_defaults(fn=cmd_conflicts)

@@ -216,38 +216,3 @@ def plot_drift(rep: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def cmd_health(a) -> int:
-    from sfcl.anchors.store import load_library
-
-    cfg = HealthConfig(n_axes=a.n_axes, max_drift=a.max_drift, min_count=a.min_count)
-    old, new = load_library(a.old), load_library(a.new)
-    rep = health(old, new, a.traffic, cfg)
-    text = summary_text(rep)
-    print(text, end="")
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / REPORT_FILE).write_text(json.dumps(rep, indent=1, ensure_ascii=False), encoding="utf-8")
-        (out / SUMMARY_FILE).write_text(text, encoding="utf-8")
-        plot_drift(rep, out / PLOT_FILE)
-    return EXIT_DRIFT if rep["drift_exceeded"] else 0
-
-
-def add_parser(asub) -> None:
-    """``sfcl anchors health`` (asub: the anchors subparsers)."""
-    import argparse
-
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
-    p = asub.add_parser("health", help="drift, trigger precision and coverage gap between two versions; "
-                                       f"exit {EXIT_DRIFT} when drift > --max-drift", **fmt)
-    p.add_argument("old", help="reference library (root, version or plain directory)")
-    p.add_argument("new", help="library to check against it")
-    p.add_argument("--traffic", default=None,
-                   help="request log (JSON lines from `sfcl serve` stdout, optional outcome/prompt/completion fields)")
-    p.add_argument("--max-drift", type=float, default=0.15, help=f"drift above which the exit status is {EXIT_DRIFT}")
-    p.add_argument("--n-axes", type=int, default=8, help="PCA axes of OLD used for the drift projection")
-    p.add_argument("--min-count", type=int, default=2, help="occurrences for a traffic entity to count as frequent")
-    p.add_argument("--out", default=None, help="directory for health.json, health.txt and drift.png")
-    p.set_defaults(fn=cmd_health)

@@ -2,8 +2,8 @@
 
 Owns the version layout, :func:`write_version` (the one way the lifecycle commands and
 ``sfcl anchors build`` write a library), :func:`resolve_library_dir` (called by
-``sfcl.anchors.store.load_library``), :func:`list_versions` and the ``sfcl anchors versions`` and
-``sfcl anchors boost`` commands. Data lives on the CPU; nothing here touches the model.
+``sfcl.anchors.store.load_library``) and :func:`list_versions`, behind ``sfcl anchors versions``
+and ``sfcl anchors boost`` (``sfcl.cli.anchors``). Data lives on the CPU; nothing here touches the model.
 
 Layout::
 
@@ -263,59 +263,3 @@ def write_version(out, fields: dict, *, command: str, parent: AnchorLibrary | Pa
         _advance_current(root, n)
         return path
     raise FileExistsError(f"could not allocate a new version directory under {root}")
-
-
-def describe_command(a) -> str:
-    """A readable record of a CLI invocation (argparse namespace) for the lineage."""
-    parts = ["sfcl", "anchors", str(getattr(a, "anchors_cmd", ""))]
-    for k, v in sorted(vars(a).items()):
-        if k in ("fn", "cmd", "anchors_cmd") or v is None or v is False:
-            continue
-        parts.append(f"{k}={v}" if not isinstance(v, list) else f"{k}={','.join(map(str, v))}")
-    return " ".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------
-# Commands: versions, boost
-
-
-def cmd_versions(a) -> int:
-    vs = list_versions(a.root)
-    print(f"{'':2}{'version':8} {'anchors':>8} {'general':>8} {'domain':>7}  {'created':25} command")
-    for v in vs:
-        print(f"{'*' if v.current else ' ':2}{v.name:8} {v.n_anchors:8d} {v.counts.get('general', '-'):>8} "
-              f"{v.counts.get('domain', '-'):>7}  {v.created:25} {v.command}")
-    return 0
-
-
-def cmd_boost(a) -> int:
-    from sfcl.anchors.store import load_library
-
-    try:
-        rules = parse_keyword_boost(json.loads(Path(a.rules).read_text(encoding="utf-8")))
-    except OSError as e:
-        raise ValueError(f"cannot read --rules {a.rules}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--rules {a.rules} is not valid JSON: {e}") from e
-    lib = load_library(a.lib)
-    f = library_fields(lib)
-    f["keyword_boost"] = [r.to_json() for r in rules]
-    path = write_version(a.out, f, command=describe_command(a), parent=lib)
-    print(f"[ANCHOR] {len(rules)} keyword-boost rule(s) set; new version {path}")
-    return 0
-
-
-def add_parser(asub) -> None:
-    """``sfcl anchors versions`` and ``sfcl anchors boost`` (asub: the anchors subparsers)."""
-    import argparse
-
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
-    v = asub.add_parser("versions", help="list the versions of a library root (* = CURRENT)", **fmt)
-    v.add_argument("root", help="versioned library root (a directory with CURRENT and vNNNN/)")
-    v.set_defaults(fn=cmd_versions)
-    b = asub.add_parser("boost", help="set the library's keyword-boost rules (new version)", **fmt)
-    b.add_argument("lib", help="library: a root (its CURRENT version), a version or a plain directory")
-    b.add_argument("--rules", required=True,
-                   help='JSON file: [{"keywords": ["indemnif"], "kinds": ["domain"], "multiplier": 1.5}, ...]')
-    b.add_argument("--out", required=True, help="library root to write the new version into (may be LIB's root)")
-    b.set_defaults(fn=cmd_boost)

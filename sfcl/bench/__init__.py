@@ -5,6 +5,7 @@ Modules: ``workloads`` (prompts: short sample-corpus prompts, one long ContractN
 ``peers`` (servers as subprocesses on free ports, readiness, peak RSS of the process tree),
 ``hf_runner`` (transformers ``generate()`` in a subprocess, timed per step), ``stats``
 (percentiles, variance, per-workload summaries), ``report`` (markdown, JSON, PNG, target ratios),
-``run`` (the CLI: ``add_parser`` and the orchestration). Everything runs on the host CPU except
+``config`` (``BenchConfig``, one field per ``sfcl bench`` flag; the parser is ``sfcl.cli.bench``),
+``run`` (the orchestration: ``run_bench(BenchConfig)``). Everything runs on the host CPU except
 the servers' and the HF subprocess' own model work (CPU or CUDA, as they were started).
 """

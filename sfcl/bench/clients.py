@@ -1,12 +1,14 @@
-"""Streaming OpenAI-compatible client for the benchmark (httpx + httpx-sse), black-box over HTTP.
+"""Streaming OpenAI-compatible client for the benchmark, black-box over HTTP (httpx-sse connects,
+``sfcl.client.sse``, the package's one SSE reader, reads the frames).
 
 ``stream_chat`` sends one ``POST /v1/chat/completions`` with ``stream: true`` and records, on the
-client's monotonic clock (a stream that ends without a ``finish_reason`` counts as an error): TTFT (send -> first non-empty content chunk), the arrival of every
-content chunk (inter-token gaps), the output token count (``usage.completion_tokens`` when the
-server sends a usage chunk, else the number of content chunks), and SFCL's ``sfcl_snapshot``
-chunks (their ``lookup_ms``). ``closed_loop`` runs ``concurrency`` clients that each send their
-next request as soon as the previous one finished, until ``n_requests`` were sent.
-Runs on the host; nothing here touches a model.
+client's monotonic clock (a stream that ends without a ``finish_reason`` counts as an error):
+TTFT (send -> first non-empty content chunk), the arrival of every content chunk (inter-token
+gaps; a chunk is timed as soon as the network read that completes its frame returns), the output
+token count (``usage.completion_tokens`` when the server sends a usage chunk, else the number of
+content chunks), and SFCL's ``sfcl_snapshot`` chunks (their ``lookup_ms``). ``closed_loop`` runs
+``concurrency`` clients that each send their next request as soon as the previous one finished,
+until ``n_requests`` were sent. Runs on the host; nothing here touches a model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 from httpx_sse import aconnect_sse
 
 from sfcl.bench.stats import RequestSample
+from sfcl.client.sse import aiter_response_events
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
@@ -63,7 +66,7 @@ async def stream_chat(client: httpx.AsyncClient, target: Target, messages: list[
                 await r.aread()
                 s.error = f"HTTP {r.status_code}: {r.text[:200]}"
             else:
-                async for sse in es.aiter_sse():
+                async for sse in aiter_response_events(r):
                     if sse.data == "[DONE]":
                         break
                     now_ms = (time.monotonic() - start) * 1e3

@@ -13,7 +13,7 @@ Where the binary comes from, first match wins:
    hash of the CPU model and flags: a native build copied to another CPU kind could use
    instructions it lacks, so a different CPU builds its own.
 
-``python -m sfcl.bench.llama_server [--version V] [--cache-dir DIR]`` builds (or finds) it and
+``sfcl llama-server [--version V] [--cache-dir DIR]`` (``sfcl.cli.llama_server``) builds (or finds) it and
 prints its path. Needs cmake (>= 3.14) and a C/C++ compiler: the Debian packages ``cmake
 build-essential``, or ``pip install cmake``.
 
@@ -25,7 +25,6 @@ OpenAI-compatible ``/v1/chat/completions`` with ``ignore_eos`` (a llama-server s
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import platform
@@ -168,7 +167,7 @@ def llama_server(cache_dir: Path, version: str | None = None, build: bool = True
         return found
     if not build:
         raise LlamaServerUnavailable(f"no llama-server binary (set ${ENV_BINARY} or build one: "
-                                     "`python -m sfcl.bench.llama_server`)")
+                                     "`sfcl llama-server`)")
     return build_llama_server(cache_dir, version, progress=progress)
 
 
@@ -181,27 +180,3 @@ def llama_server_argv(binary: Path, gguf: str, port: int, *, n_parallel: int, ct
     return [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(n_parallel),
             "-c", str(n_parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui",
             *extra]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from sfcl.config import default_cache_dir
-
-    p = argparse.ArgumentParser(prog="python -m sfcl.bench.llama_server",
-                                description="find or build llama.cpp's llama-server (benchmark peer); prints its path")
-    p.add_argument("--version", default=None, help="llama-cpp-python sdist version (default: the installed one, "
-                                                   "else the newest on PyPI)")
-    p.add_argument("--cache-dir", default=None, help="cache root (default $SFCL_CACHE_DIR or ~/.cache/sfcl)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all CPUs)")
-    a = p.parse_args(argv)
-    try:
-        cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
-        found = find_llama_server(cache, a.version)
-        print(found if found is not None else build_llama_server(cache, a.version, a.jobs))
-        return 0
-    except LlamaServerUnavailable as e:
-        print(f"sfcl: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,11 +9,12 @@ single and concurrent workloads in interleaved rounds (``--rounds``), then longd
 turn in those rounds (one server serving at a time; ``--separate-single`` runs them on their own).
 Output folder: report.md, report.json, PNG plots and the servers' logs. Exit code 0 when at least one system was measured (a FAIL target is a finding,
 not an error), 1 when none could be, 2 for bad arguments.
+
+``run_bench(BenchConfig)`` is the entry point (the flags: ``sfcl.cli.bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -31,10 +32,11 @@ from pathlib import Path
 from typing import Sequence
 
 from sfcl.bench import clients, peers, report, workloads
+from sfcl.bench.config import DEFAULT_CONCURRENCY, BenchConfig
 from sfcl.bench.stats import RequestSample, Summary, summarize
 
 SFCL_MODES = ("off", "triggered", "always")
-KNOWN = ("sfcl-off", "sfcl-triggered", "sfcl-always", "hf-bf16", "hf-fp32", "llamacpp")
+KNOWN = ("sfcl-off", "sfcl-triggered", "sfcl-always", "hf-bf16", "hf-fp32", "llamacpp", "llama-server")
 ALIASES = {"sfcl": ("sfcl-off", "sfcl-triggered", "sfcl-always"), "hf": ("hf-bf16",)}
 WORKLOADS = ("single", "concurrent", "longdoc")
 
@@ -270,12 +272,13 @@ def round_note(c: int, per_round: dict[str, list[float]], base: str) -> str:
     return f"per-round tok/s at {c} streams: " + "; ".join(parts)
 
 
-def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path, single_peers: Sequence[SinglePeer] = ()) -> None:
+def run_sfcl(cfg: BenchConfig, plan: Plan, res: Results, modes: list[str], out: Path,
+             single_peers: Sequence[SinglePeer] = ()) -> None:
     port = peers.free_port()
-    argv = peers.sfcl_argv(port, threads=a.threads, max_num_seqs=max(plan.levels + (1,)), model=a.model,
-                           device=a.device, extra=shlex.split(a.sfcl_args))
+    argv = peers.sfcl_argv(port, threads=cfg.threads, max_num_seqs=max(plan.levels + (1,)), model=cfg.model,
+                           device=cfg.device, extra=shlex.split(cfg.sfcl_args))
     with peers.ServerProcess("sfcl", argv, port, out / "logs", ready_path="/health") as srv:
-        srv.wait_ready(a.ready_timeout)
+        srv.wait_ready(cfg.ready_timeout)
         targets = []
         for k, mode in enumerate(modes):
             t = _target(f"sfcl-{mode}", srv.url, plan, {"x-sfcl-snapshot": mode})
@@ -294,7 +297,7 @@ def run_sfcl(a, plan: Plan, res: Results, modes: list[str], out: Path, single_pe
 
 
 @contextlib.contextmanager
-def llamacpp_server(a, plan: Plan, res: Results, out: Path):
+def llamacpp_server(cfg: BenchConfig, plan: Plan, res: Results, out: Path):
     """Start ``python -m llama_cpp.server`` on the GGUF; yields (its Target, its ServerProcess), or
     None with a note when llama.cpp is not installed or the model is not a GGUF file. Raises
     RuntimeError when the server does not come up."""
@@ -306,15 +309,16 @@ def llamacpp_server(a, plan: Plan, res: Results, out: Path):
                          "`pip install 'llama-cpp-python[server]'` (or `pip install -e .[bench]`)")
         yield None
         return
-    src = resolve_model(a.model)
+    src = resolve_model(cfg.model)
     if not src.gguf_file:
         res.notes.append("llamacpp skipped: --model is not a .gguf file")
         yield None
         return
     port = peers.free_port()
-    argv = peers.llamacpp_argv(port, str(src.path), threads=a.threads, n_ctx=a.n_ctx, extra=shlex.split(a.llamacpp_args))
+    argv = peers.llamacpp_argv(port, str(src.path), threads=cfg.threads, n_ctx=cfg.n_ctx,
+                               extra=shlex.split(cfg.llamacpp_args))
     with peers.ServerProcess("llamacpp", argv, port, out / "logs") as srv:
-        srv.wait_ready(a.ready_timeout)
+        srv.wait_ready(cfg.ready_timeout)
         # llama_cpp.server has no ignore_eos; a -100 logit bias on the end tokens does the same
         eos = {str(i): -100.0 for i in peers.gguf_eos_ids(str(src.path))}
         t = _target("llamacpp", srv.url, plan, eos_body={"logit_bias": eos})
@@ -322,10 +326,10 @@ def llamacpp_server(a, plan: Plan, res: Results, out: Path):
         yield t, srv
 
 
-def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None) -> None:
+def run_llamacpp(cfg: BenchConfig, plan: Plan, res: Results, out: Path, up: tuple | None = None) -> None:
     """llama.cpp's workloads. up: (Target, ServerProcess) of a server already started (and warmed
     up) by ``llamacpp_server``, whose single-stream workload already ran interleaved with SFCL's."""
-    with contextlib.nullcontext(up) if up is not None else llamacpp_server(a, plan, res, out) as got:
+    with contextlib.nullcontext(up) if up is not None else llamacpp_server(cfg, plan, res, out) as got:
         if got is None:
             return
         t, srv = got
@@ -337,7 +341,7 @@ def run_llamacpp(a, plan: Plan, res: Results, out: Path, up: tuple | None = None
                    snapshots=False)
 
 
-def run_llama_server(a, plan: Plan, res: Results, out: Path, binary: Path) -> None:
+def run_llama_server(cfg: BenchConfig, plan: Plan, res: Results, out: Path, binary: Path) -> None:
     """llama.cpp's native ``llama-server`` (``sfcl.bench.llama_server``): a fresh server per workload
     level with ``-np`` = the level's concurrency (single stream and the long document: ``-np 1``), so
     each level gets the slots it needs and no more, and its peak RSS is its own. Each slot holds
@@ -346,34 +350,49 @@ def run_llama_server(a, plan: Plan, res: Results, out: Path, binary: Path) -> No
     from sfcl.bench.llama_server import llama_server_argv
     from sfcl.model.loader import resolve_model
 
-    src = resolve_model(a.model)
+    src = resolve_model(cfg.model)
     if not src.gguf_file:
         res.notes.append("llama-server skipped: --model is not a .gguf file")
         return
     doc = plan.docs[0] if plan.docs else None
     runs = []  # (n_parallel, ctx per slot, the plan to run on it)
     if "single" in plan.workloads:
-        runs.append((1, a.llama_server_ctx, dataclasses.replace(plan, workloads=("single",))))
+        runs.append((1, cfg.llama_server_ctx, dataclasses.replace(plan, workloads=("single",))))
     if "concurrent" in plan.workloads:
-        runs += [(c, a.llama_server_ctx, dataclasses.replace(plan, workloads=("concurrent",), levels=(c,)))
+        runs += [(c, cfg.llama_server_ctx, dataclasses.replace(plan, workloads=("concurrent",), levels=(c,)))
                  for c in plan.levels]
     if "longdoc" in plan.workloads and doc is not None:
         need = len(doc.text) // 2 + plan.longdoc_max_tokens + 256  # generous: >= 2 characters per token
-        runs.append((1, max(a.llama_server_ctx, need), dataclasses.replace(plan, workloads=("longdoc",))))
+        runs.append((1, max(cfg.llama_server_ctx, need), dataclasses.replace(plan, workloads=("longdoc",))))
     for n_par, ctx, sub in runs:
         port = peers.free_port()
-        argv = llama_server_argv(binary, str(src.path), port, n_parallel=n_par, ctx_per_slot=ctx, threads=a.threads,
-                                 extra=shlex.split(a.llama_server_args))
+        argv = llama_server_argv(binary, str(src.path), port, n_parallel=n_par, ctx_per_slot=ctx, threads=cfg.threads,
+                                 extra=shlex.split(cfg.llama_server_args))
         with peers.ServerProcess(f"llama-server-np{n_par}", argv, port, out / "logs", ready_path="/health") as srv:
-            srv.wait_ready(a.ready_timeout)
+            srv.wait_ready(cfg.ready_timeout)
             t = _target("llama-server", srv.url, plan)
             if not any(n.startswith("llama-server:") for n in res.notes):
                 res.notes.append(_eos_note(t, plan) + f"; `{shlex.join(argv[1:])}` per level (-np = the level, "
-                                 f"-c = np x {a.llama_server_ctx})")
+                                 f"-c = np x {cfg.llama_server_ctx})")
             bench_http(t, sub, res, tag=f"ls{n_par}", doc=doc, monitor=srv.monitor, snapshots=False)
 
 
-def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
+def run_llama_server_peer(cfg: BenchConfig, plan: Plan, res: Results, out: Path) -> None:
+    """Find (or build, unless ``cfg.llama_server_build`` is off) llama-server, then ``run_llama_server``.
+    A missing binary is a note, not a failure of the run."""
+    from sfcl.bench.llama_server import LlamaServerUnavailable, llama_server
+    from sfcl.config import default_cache_dir
+
+    try:
+        binary = llama_server(default_cache_dir(), build=cfg.llama_server_build)
+    except LlamaServerUnavailable as e:
+        res.notes.append(f"llama-server skipped: {e}")
+        print(f"sfcl bench: llama-server skipped: {str(e).splitlines()[0]}", file=sys.stderr)
+        return
+    run_llama_server(cfg, plan, res, out, binary)
+
+
+def run_hf(cfg: BenchConfig, plan: Plan, res: Results, name: str, out: Path) -> None:
     """transformers generate() in a subprocess (its own RSS); see sfcl.bench.hf_runner."""
     jobs = []
     if "single" in plan.workloads:
@@ -388,9 +407,9 @@ def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
         d = plan.docs[0]
         jobs.append({"key": "longdoc|c1", "concurrency": 1, "max_tokens": plan.longdoc_max_tokens,
                      "prompts": [d.messages(i) for i in range(len(d.questions))]})
-    spec = {"name": name, "model": a.model, "dtype": name.split("-", 1)[1], "device": a.hf_device or a.device,
-            "attn": a.hf_attn,
-            "threads": a.threads, "ignore_eos": plan.ignore_eos, "temperature": plan.temperature, "jobs": jobs}
+    spec = {"name": name, "model": cfg.model, "dtype": name.split("-", 1)[1], "device": cfg.hf_device or cfg.device,
+            "attn": cfg.hf_attn,
+            "threads": cfg.threads, "ignore_eos": plan.ignore_eos, "temperature": plan.temperature, "jobs": jobs}
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         sp.write_text(json.dumps(spec))
@@ -417,7 +436,7 @@ def run_hf(a, plan: Plan, res: Results, name: str, out: Path) -> None:
         else:
             res.add(name, wl, c, ss, snapshots=False, wall_s=job["wall_s"], rss=w.peak_rss, gpu=gpu)
     res.notes.append(f"{name}: transformers generate() in a subprocess, static batching (c prompts left-padded "
-                     f"into one generate() call, next batch when all rows finish), {a.hf_attn} attention, greedy, "
+                     f"into one generate() call, next batch when all rows finish), {cfg.hf_attn} attention, greedy, "
                      f"{'min_new_tokens = max_tokens (EOS ignored)' if plan.ignore_eos else 'stops at EOS'}; "
                      "peak RSS is the subprocess' peak over all its workloads, including model load")
 
@@ -442,43 +461,51 @@ def _loadavg() -> float | None:
         return None
 
 
-def cmd_bench(a) -> int:
+def quick_sized(cfg: BenchConfig) -> BenchConfig:
+    """``cfg`` with its ``quick`` smoke-run sizes applied: concurrency 4 (unless given), at most
+    8 requests per level, 3 single requests, 16 tokens, a ~2k-token document, 3 questions of 8 tokens."""
+    if not cfg.quick:
+        return cfg
+    return dataclasses.replace(
+        cfg, concurrency="4" if cfg.concurrency is None else cfg.concurrency,
+        requests_per_level=min(cfg.requests_per_level, 8), single_requests=min(cfg.single_requests, 3),
+        max_tokens=min(cfg.max_tokens, 16), longdoc_questions=min(cfg.longdoc_questions, 3),
+        longdoc_tokens=min(cfg.longdoc_tokens, 2000), longdoc_max_tokens=min(cfg.longdoc_max_tokens, 8))
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    """Measure every system of ``cfg`` (module docstring); write report.md, report.json and the
+    PNGs into ``cfg.out``. Returns 0 when at least one system was measured, 1 when none could be.
+    Raises ValueError for bad settings and ModelLoadError for a missing model (before anything runs)."""
     from sfcl.model.loader import resolve_model
 
-    if a.quick:
-        a.concurrency = a.concurrency if a.concurrency_set else "4"
-        a.requests_per_level = min(a.requests_per_level, 8)
-        a.single_requests = min(a.single_requests, 3)
-        a.max_tokens = min(a.max_tokens, 16)
-        a.longdoc_questions = min(a.longdoc_questions, 3)
-        a.longdoc_tokens = min(a.longdoc_tokens, 2000)
-        a.longdoc_max_tokens = min(a.longdoc_max_tokens, 8)
-    systems = parse_systems(a.systems)
-    peer_urls = [parse_peer(p) for p in a.peer_url or []]
-    wls = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    cfg = quick_sized(cfg)
+    systems = parse_systems(cfg.systems)
+    peer_urls = [parse_peer(p) for p in cfg.peer_url]
+    wls = tuple(w.strip() for w in cfg.workloads.split(",") if w.strip())
     bad = [w for w in wls if w not in WORKLOADS]
     if bad or not wls:
         raise ValueError(f"unknown workload(s) {', '.join(bad) or '(none)'}; choose from {', '.join(WORKLOADS)}")
-    if not 0.0 <= a.temperature <= 1.0:
+    if not 0.0 <= cfg.temperature <= 1.0:
         raise ValueError("--temperature must be in [0, 1]")
-    if min(a.max_tokens, a.single_requests, a.requests_per_level, a.longdoc_questions, a.threads, a.rounds) < 1 \
-            or a.warmup_requests < 0:
+    if min(cfg.max_tokens, cfg.single_requests, cfg.requests_per_level, cfg.longdoc_questions, cfg.threads,
+           cfg.rounds) < 1 or cfg.warmup_requests < 0:
         raise ValueError("--max-tokens, --single-requests, --requests-per-level, --longdoc-questions, --rounds "
                          "and --threads must be >= 1, --warmup-requests >= 0")
-    resolve_model(a.model)  # fail early (ModelLoadError -> one line, exit 2)
-    levels = _ints(a.concurrency)
+    resolve_model(cfg.model)  # fail early (ModelLoadError -> one line, exit 2)
+    levels = _ints(DEFAULT_CONCURRENCY if cfg.concurrency is None else cfg.concurrency)
     sfcl_modes = [s.split("-", 1)[1] for s in systems if s.startswith("sfcl-")]
     docs = []
     if "longdoc" in wls:
-        docs = [workloads.long_document(a.longdoc_file, a.longdoc_tokens, a.longdoc_questions, index=k)
+        docs = [workloads.long_document(cfg.longdoc_file, cfg.longdoc_tokens, cfg.longdoc_questions, index=k)
                 for k in range(max(1, len(sfcl_modes)))]
-    plan = Plan(workloads=wls, levels=levels, single_requests=a.single_requests,
-                requests_per_level=a.requests_per_level, max_tokens=a.max_tokens,
-                longdoc_max_tokens=a.longdoc_max_tokens,
-                prompts=workloads.short_prompts(max(a.single_requests, a.requests_per_level, max(levels))),
-                docs=docs, ignore_eos=not a.no_ignore_eos, warmup_requests=a.warmup_requests, rounds=a.rounds,
-                temperature=a.temperature)
-    out = Path(a.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
+    plan = Plan(workloads=wls, levels=levels, single_requests=cfg.single_requests,
+                requests_per_level=cfg.requests_per_level, max_tokens=cfg.max_tokens,
+                longdoc_max_tokens=cfg.longdoc_max_tokens,
+                prompts=workloads.short_prompts(max(cfg.single_requests, cfg.requests_per_level, max(levels))),
+                docs=docs, ignore_eos=not cfg.no_ignore_eos, warmup_requests=cfg.warmup_requests, rounds=cfg.rounds,
+                temperature=cfg.temperature)
+    out = Path(cfg.out or f"bench-out/{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     res = Results()
     if plan.temperature > 0:
@@ -490,20 +517,22 @@ def cmd_bench(a) -> int:
     load_start = _loadavg()
     with contextlib.ExitStack() as stack:  # stops llama.cpp's server however this block ends
         up = None  # llama.cpp started first, so its single-stream rounds interleave with SFCL's
-        interleave = "llamacpp" in systems and bool(sfcl_modes) and "single" in wls and not a.separate_single
+        interleave = "llamacpp" in systems and bool(sfcl_modes) and "single" in wls and not cfg.separate_single
         if interleave:
             try:
-                up = stack.enter_context(llamacpp_server(a, plan, res, out))
+                up = stack.enter_context(llamacpp_server(cfg, plan, res, out))
             except (RuntimeError, OSError) as e:
                 res.notes.append(f"llamacpp failed: {e}")
                 print(f"sfcl bench: llamacpp failed: {str(e).splitlines()[0]}", file=sys.stderr)
             if up is not None:
                 _warmup(up[0], plan, "l")
         single_peers = [SinglePeer(up[0], "l", up[1].monitor)] if up is not None else []
-        steps = ([("sfcl", lambda: run_sfcl(a, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
-        steps += [(s, (lambda s=s: run_hf(a, plan, res, s, out))) for s in systems if s.startswith("hf-")]
+        steps = ([("sfcl", lambda: run_sfcl(cfg, plan, res, sfcl_modes, out, single_peers))] if sfcl_modes else [])
+        steps += [(s, (lambda s=s: run_hf(cfg, plan, res, s, out))) for s in systems if s.startswith("hf-")]
+        if "llama-server" in systems:
+            steps += [("llama-server", lambda: run_llama_server_peer(cfg, plan, res, out))]
         if "llamacpp" in systems and (up is not None or not interleave):  # else: skipped or failed, noted
-            steps += [("llamacpp", lambda: run_llamacpp(a, plan, res, out, up))]
+            steps += [("llamacpp", lambda: run_llamacpp(cfg, plan, res, out, up))]
         for name, url in peer_urls:
             def peer(name=name, url=url):
                 t = _target(name, url, plan)
@@ -519,11 +548,11 @@ def cmd_bench(a) -> int:
     if "llamacpp" in systems:
         res.notes.append("llamacpp: llama-cpp-python's `llama_cpp.server` serves requests one at a time (no parallel "
                          "slots): concurrent requests queue in the server, so its throughput stays flat and its TTFT "
-                         "grows with concurrency. For parallel slots run llama.cpp's `llama-server -np N` and pass "
-                         "--peer-url llama-server=http://127.0.0.1:PORT")
+                         "grows with concurrency. llama.cpp's own parallel-slot server is the llama-server system "
+                         "(`--systems sfcl,llama-server`)")
     if docs:
         res.notes.append("longdoc: ContractNLI " + ", ".join(f"{d.doc_id} ({len(d.text):,} chars)" for d in docs)
-                         + f"; {a.longdoc_questions} questions in sequence, the first cold. Each SFCL snapshot "
+                         + f"; {cfg.longdoc_questions} questions in sequence, the first cold. Each SFCL snapshot "
                            "mode gets its own document (they share one server and its prefix cache); other "
                            "systems use the first")
     res.notes.append("short prompts start with a per-system/level tag (`Ref m0c4-3.`) so no run reuses another's "
@@ -536,14 +565,14 @@ def cmd_bench(a) -> int:
         print("sfcl bench: no system could be measured:\n" + "\n".join(res.notes), file=sys.stderr)
         return 1
     checks = report.compute_targets(res.rows)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(a.device),
-            "model": str(resolve_model(a.model).path), "command": "sfcl " + shlex.join(sys.argv[1:]),
-            "threads": a.threads, "wall_s": round(time.monotonic() - t0, 1),
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(cfg.device),
+            "model": str(resolve_model(cfg.model).path), "command": "sfcl " + shlex.join(sys.argv[1:]),
+            "threads": cfg.threads, "wall_s": round(time.monotonic() - t0, 1),
             "loadavg_1min_start_end": [load_start, _loadavg()], "plan": {
-                "workloads": wls, "levels": levels, "single_requests": a.single_requests,
-                "requests_per_level": a.requests_per_level, "max_tokens": a.max_tokens,
-                "longdoc_max_tokens": a.longdoc_max_tokens, "ignore_eos": plan.ignore_eos, "rounds": a.rounds,
-                "temperature": a.temperature},
+                "workloads": wls, "levels": levels, "single_requests": cfg.single_requests,
+                "requests_per_level": cfg.requests_per_level, "max_tokens": cfg.max_tokens,
+                "longdoc_max_tokens": cfg.longdoc_max_tokens, "ignore_eos": plan.ignore_eos, "rounds": cfg.rounds,
+                "temperature": cfg.temperature},
             "per_round_tokens_per_s": res.rounds}
     md = report.markdown(res.rows, checks, meta, res.notes)
     (out / "report.md").write_text(md)
@@ -552,63 +581,3 @@ def cmd_bench(a) -> int:
     print(md)
     print(f"wrote {out / 'report.md'}, {out / 'report.json'}, " + ", ".join(p.name for p in pngs), file=sys.stderr)
     return 0
-
-
-class _SetFlag(argparse.Action):
-    def __call__(self, parser, ns, values, option_string=None):
-        setattr(ns, self.dest, values)
-        ns.concurrency_set = True
-
-
-def add_parser(sub) -> None:
-    """``sfcl bench`` on the top-level subparsers object."""
-    p = sub.add_parser("bench", help="benchmark SFCL against HF transformers, llama.cpp and other servers",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="sfcl,hf-bf16,llamacpp",
-                   help="comma-separated: sfcl (= sfcl-off,sfcl-triggered,sfcl-always), sfcl-MODE, hf (= hf-bf16), "
-                        "hf-bf16, hf-fp32, llamacpp")
-    p.add_argument("--peer-url", action="append", metavar="NAME=URL",
-                   help="a running OpenAI-compatible server to include (repeatable), e.g. llama-server=http://127.0.0.1:8080")
-    p.add_argument("--workloads", default="single,concurrent,longdoc", help="comma-separated: " + ", ".join(WORKLOADS))
-    p.add_argument("--concurrency", default="1,4,8,16,32", action=_SetFlag,
-                   help="closed-loop concurrency levels of the concurrent workload")
-    p.add_argument("--requests-per-level", type=int, default=32,
-                   help="requests per concurrency level (at least the level)")
-    p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream workload")
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the short-prompt workloads")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of every request, top_p 1 (default 0: greedy, every system emits "
-                        "its argmax; 1.0 is what both APIs default to and measures each system's sampler too; other "
-                        "sampler settings stay at each server's defaults)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="SFCL's snapshot modes run the single and concurrent workloads in this many interleaved "
-                        "rounds (off, triggered, always; always, triggered, off; ...; each round whole waves of the "
-                        "level), so a drift in machine speed hits every mode alike; figures pool the rounds")
-    p.add_argument("--separate-single", action="store_true",
-                   help="run llama.cpp's single-stream workload on its own after SFCL's (default: llama.cpp's "
-                        "server starts first and its single-stream requests take a turn in each of SFCL's rounds, "
-                        "so machine-speed drift hits both sides of the single-stream ratio alike)")
-    p.add_argument("--warmup-requests", type=int, default=2,
-                   help="untimed requests sent to each system (concurrently) before it is measured")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="do not ask systems to ignore EOS (default: ask; servers that reject ignore_eos stop at EOS)")
-    p.add_argument("--longdoc-file", default=str(workloads.CONTRACTNLI_DEV), help="ContractNLI JSON file")
-    p.add_argument("--longdoc-tokens", type=int, default=4000, help="pick the NDA closest to this many tokens")
-    p.add_argument("--longdoc-questions", type=int, default=5, help="questions asked about the document, in sequence")
-    p.add_argument("--longdoc-max-tokens", type=int, default=32, help="max_tokens of each long-document answer")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--device", default="cpu", help="torch device for SFCL and HF (cpu, cuda)")
-    p.add_argument("--hf-device", default=None, help="device of the HF peer (default: --device)")
-    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
-                   help="attention implementation of the HF peer (transformers' default is sdpa)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
-    p.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context size")
-    p.add_argument("--sfcl-args", default="", help="extra `sfcl serve` flags, e.g. \"--kv-cache-dtype int8\"")
-    p.add_argument("--llamacpp-args", default="", help="extra `llama_cpp.server` flags")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
-    p.add_argument("--out", default=None, help="output folder (default bench-out/<UTC time>)")
-    p.add_argument("--quick", action="store_true",
-                   help="small settings for a smoke run: concurrency 4, 8 requests/level, 3 single requests, "
-                        "16 tokens, a ~2k-token document with 3 questions of 8 tokens")
-    p.set_defaults(fn=cmd_bench, concurrency_set=False)

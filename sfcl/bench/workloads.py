@@ -2,8 +2,9 @@
 NDA with several questions (the long-document QA workload).
 
 The sample corpus (``sfcl/anchors/sample_corpus``) is original text written for this project;
-ContractNLI (Koreeda & Manning 2021, CC BY 4.0) is read from ``../shared/data/contractnli`` at run
-time and never copied. Prompts are chat messages (OpenAI format); every system sees the same ones.
+ContractNLI (Koreeda & Manning 2021, CC BY 4.0) is read at run time from
+``sfcl.config.contractnli_path()`` (``$SFCL_DATA_DIR`` or ``../shared/data/contractnli``) and
+never copied. Prompts are chat messages (OpenAI format); every system sees the same ones.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from sfcl.config import contractnli_path
+
 SAMPLE_CORPUS = Path(__file__).resolve().parents[1] / "anchors" / "sample_corpus"
-CONTRACTNLI_DEV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "contractnli" / "dev.json"
+CONTRACTNLI_DEV = contractnli_path()  # sfcl.eval.run's default; resolved at import
 CHARS_PER_TOKEN = 4.0  # rough English BPE ratio, only used to pick a document of about the right size
 
 INSTRUCTIONS = (
@@ -62,19 +65,21 @@ def short_prompts(n: int, corpus: Path = SAMPLE_CORPUS) -> list[list[dict]]:
     return out
 
 
-def long_document(path: Path = CONTRACTNLI_DEV, target_tokens: int = 4000, n_questions: int = 5,
+def long_document(path: Path | None = None, target_tokens: int = 4000, n_questions: int = 5,
                   index: int = 0) -> LongDoc:
     """The ContractNLI NDA whose length is the ``index``-th closest to ``target_tokens`` (estimated at
     4 characters per token), with ``n_questions`` questions built from ContractNLI hypotheses.
+    ``path``: the ContractNLI JSON file (None: ``sfcl.config.contractnli_path()``).
 
     Raises FileNotFoundError when the data is missing, ValueError on bad arguments."""
     import json
 
     if n_questions < 1 or target_tokens < 1:
         raise ValueError("n_questions and target_tokens must be >= 1")
-    path = Path(path)
+    path = Path(path) if path is not None else contractnli_path()
     if not path.is_file():
-        raise FileNotFoundError(f"ContractNLI not found at {path} (expected ../shared/data/contractnli/dev.json)")
+        raise FileNotFoundError(f"ContractNLI not found at {path} (expected ../shared/data/contractnli/dev.json, "
+                                "or set SFCL_DATA_DIR to the directory holding contractnli/dev.json)")
     data = json.loads(path.read_text(encoding="utf-8"))
     docs = sorted(data["documents"], key=lambda d: (abs(len(d["text"]) - target_tokens * CHARS_PER_TOKEN), d["id"]))
     doc = docs[index % len(docs)]

@@ -13,7 +13,8 @@
 Layers, each usable on its own:
 
 * ``sfcl.client.sse`` -- ``iter_sse_events(chunks)``: pure, incremental SSE parsing (split
-  chunks, CRLF / CR / LF, comments, multi-line data);
+  chunks, CRLF / CR / LF, comments, multi-line data); ``aiter_response_events(response)`` reads
+  an open httpx streaming response (the bench, the soak test and scripts read SSE with it too);
 * ``sfcl.client.events`` -- typed events (``TextDelta``, ``Snapshot``, ``Stop``, ``Error``), the
   per-route ``StreamDecoder`` (bad JSON -> ``SFCLStreamWarning`` and continue), and the
   definition of a snapshot's ``context_entropy`` (Shannon entropy in bits of the last W units);
@@ -27,12 +28,13 @@ from sfcl.client.events import (DEFAULT_WINDOW, EVENT_NAMES, AnchorHit, Error, E
                                 Stop, StreamDecoder, TextDelta, context_entropy, iter_events,
                                 word_pieces)
 from sfcl.client.retry import Attempt, MessageResult, RetryPolicy
-from sfcl.client.sse import SFCLStreamWarning, SSEParser, aiter_sse_events, iter_sse_events
+from sfcl.client.sse import (SFCLStreamWarning, SSEParser, aiter_response_events, aiter_sse_events,
+                             iter_sse_events)
 
 __all__ = [
     "SFCLClient", "AsyncSFCLClient", "SFCLAPIError", "EventStream", "AsyncEventStream",
     "DEFAULT_TIMEOUT", "TextDelta", "Snapshot", "AnchorHit", "Stop", "Error", "Event",
     "EVENT_NAMES", "DEFAULT_WINDOW", "context_entropy", "word_pieces", "StreamDecoder",
     "iter_events", "RetryPolicy", "Attempt", "MessageResult", "SSEParser", "iter_sse_events",
-    "aiter_sse_events", "SFCLStreamWarning",
+    "aiter_sse_events", "aiter_response_events", "SFCLStreamWarning",
 ]

@@ -16,7 +16,10 @@ event-stream interpretation rules:
 * at the end of the stream a frame that was never terminated by a blank line is discarded (as
   the spec says), with a ``SFCLStreamWarning``.
 
-JSON decoding is not this layer's job: see ``sfcl.client.events``.
+JSON decoding is not this layer's job: see ``sfcl.client.events``. This is the one SSE reader of
+the package: the client (``sfcl.client.api``), the benchmark client (``sfcl.bench.clients``), the
+soak test (``sfcl.tools.soak``) and ``scripts/closed_loop.py`` all read streams through it;
+``aiter_response_events`` reads an open ``httpx`` streaming response.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import re
 import warnings
 from typing import AsyncIterable, AsyncIterator, Iterable, Iterator
 
-from httpx_sse import ServerSentEvent
+import httpx
+from httpx_sse import SSEError, ServerSentEvent
 
-__all__ = ["SSEParser", "iter_sse_events", "aiter_sse_events", "SFCLStreamWarning", "ServerSentEvent"]
+__all__ = ["SSEParser", "iter_sse_events", "aiter_sse_events", "aiter_response_events", "SFCLStreamWarning",
+           "ServerSentEvent"]
 
 _BREAK = re.compile(r"\r\n|\r|\n")
 
@@ -138,4 +143,17 @@ async def aiter_sse_events(chunks: AsyncIterable[bytes | str]) -> AsyncIterator[
         for ev in parser.feed(chunk):
             yield ev
     for ev in parser.close():
+        yield ev
+
+
+async def aiter_response_events(response: httpx.Response) -> AsyncIterator[ServerSentEvent]:
+    """The SSE frames of an open streaming ``httpx`` response (``client.stream(...)`` or
+    ``httpx_sse.aconnect_sse(...).response``). Each frame is yielded as soon as the network chunk
+    that completes it has been read, so a caller timing frames on arrival (TTFT, inter-token gaps)
+    measures the network, not this parser. Raises ``httpx_sse.SSEError`` (an
+    ``httpx.TransportError``) when the response is not ``text/event-stream``, like httpx-sse."""
+    content_type = response.headers.get("content-type", "").partition(";")[0]
+    if "text/event-stream" not in content_type:
+        raise SSEError(f"Expected response header Content-Type to contain 'text/event-stream', got {content_type!r}")
+    async for ev in aiter_sse_events(response.aiter_bytes()):
         yield ev

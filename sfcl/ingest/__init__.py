@@ -1,6 +1,6 @@
 """Document ingest quality gate: PDF/HTML/text -> clean paragraphs with heading metadata.
 
-``sfcl ingest FILES... --out DIR`` (:mod:`sfcl.ingest.cli`) writes ``DIR/paragraphs.jsonl`` and
+``sfcl ingest FILES... --out DIR`` (:mod:`sfcl.cli.ingest`) writes ``DIR/paragraphs.jsonl`` and
 ``DIR/report.json`` (:mod:`sfcl.ingest.pipeline`); ``sfcl anchors build DIR`` reads them back.
 Modules: ``encoding`` (byte decoding), ``text``/``html``/``pdf`` (extractors -> blocks),
 ``clean`` (normalisation, headings, length policy), ``pipeline`` (files -> output + report).

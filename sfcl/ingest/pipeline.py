@@ -1,6 +1,6 @@
 """The ingest gate: files -> clean paragraphs + a report, written to one output directory.
 
-Called by ``sfcl ingest`` (:mod:`sfcl.ingest.cli`); everything runs on the CPU. Output layout
+Called by ``sfcl ingest`` (:mod:`sfcl.cli.ingest`); everything runs on the CPU. Output layout
 (read back by :func:`sfcl.anchors.corpus.read_corpus`, which recognises the directory by
 ``report.json``'s ``"format": "sfcl-ingest"``):
 

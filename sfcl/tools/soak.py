@@ -6,6 +6,7 @@ Every request runs with ``snapshot_mode: always``, so the stream carries one
 accounting exact on the wire: for every stream that completed, the token indices must be
 0..n-1 with no gap or repeat, n must equal ``usage.output_tokens``, and the streamed text must
 equal the concatenated token texts (up to a stop). Loopback only; the loop stops by itself.
+Streams are read with ``sfcl.client.sse`` (the package's one SSE reader).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from sfcl.client.sse import aiter_response_events
 
 PROMPTS = [
     "Summarise a typical confidentiality clause in two sentences.",
@@ -81,21 +84,17 @@ async def _one(client: httpx.AsyncClient, url: str, st: SoakStats, rng: random.R
             if r.status_code != 200:
                 st.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 return
-            event = None
-            async for line in r.aiter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: ") and event:
-                    d = json.loads(line[6:])
-                    frames.append((event, d))
-                    if event == "error":
-                        st.errors.append(f"error event: {d}")
-                        return
-                    if hang_up_after is not None and event == "content_block_delta":
-                        hang_up_after -= 1
-                        if hang_up_after == 0:
-                            st.disconnected += 1
-                            return  # leaving the context manager closes the connection mid-stream
+            async for sse in aiter_response_events(r):
+                event, d = sse.event, json.loads(sse.data)
+                frames.append((event, d))
+                if event == "error":
+                    st.errors.append(f"error event: {d}")
+                    return
+                if hang_up_after is not None and event == "content_block_delta":
+                    hang_up_after -= 1
+                    if hang_up_after == 0:
+                        st.disconnected += 1
+                        return  # leaving the context manager closes the connection mid-stream
     except httpx.HTTPError as e:
         st.errors.append(f"{type(e).__name__}: {e}")
         return

@@ -1,14 +1,14 @@
-"""``sfcl ingest FILES... --out DIR``: the argparse wiring and the command (see sfcl.cli)."""
+"""``sfcl ingest FILES... --out DIR``: the document ingest gate (``sfcl.ingest.pipeline``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-__all__ = ["add_parser", "cmd_ingest"]
+from sfcl.cli.flags import FMT
 
 
-def cmd_ingest(a) -> int:
+def cmd_ingest(a: argparse.Namespace) -> int:
     """Run the gate; print the summary. Exit 1 if nothing was ingested, or (``--strict``) if any
     file failed or gave no paragraph; 0 otherwise. A bad ``--out`` raises ValueError (exit 2)."""
     from sfcl.ingest.clean import LengthPolicy
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
                     "cp1252/Latin-1 detected), section headings kept per paragraph, too short/long "
                     "paragraphs dropped or split. Writes DIR/paragraphs.jsonl and DIR/report.json; "
                     "'sfcl anchors build DIR' reads DIR directly.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        **FMT)
     p.add_argument("files", nargs="+", metavar="FILE",
                    help=".pdf, .html/.htm, .txt, .md files, or directories of them (walked recursively)")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")

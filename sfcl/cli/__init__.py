@@ -1,0 +1,62 @@
+"""Command line: ``sfcl serve``, ``sfcl generate``, ``sfcl anchors build``.
+
+Flags map 1:1 onto the config records in ``sfcl.config``; every flag has help text. Errors that a
+user can fix (missing model, damaged anchor library, bad corpus) print one line and exit 2.
+
+This package owns the argument parsers; domain packages take plain arguments or a config record
+and never import it. One module per command (group), each with the same two parts:
+
+* ``add_parser(sub)`` adds the subcommand to the subparsers ``sub``: its flags, each with help
+  text, and ``set_defaults(fn=cmd_NAME)``;
+* ``cmd_NAME(a) -> int`` turns the parsed namespace into the domain's arguments or config record,
+  calls the domain, prints, and returns the exit status. ``main`` turns the errors a user can fix
+  into one line and exit 2.
+
+Modules: ``flags`` (flag groups shared by several commands: ``add_model_flags``,
+``add_snapshot_flags``; ``configs`` -> the ``sfcl.config`` records), ``serve``, ``generate``,
+``soak``, ``ingest``, ``bench``, ``anchors`` (build, versions, boost) and ``anchors_curate``
+(audit, prune, inject, conflicts, health). ``sfcl eval``, ``sfcl stress`` and ``sfcl anchors
+calibrate`` still register their parsers from ``sfcl.eval`` (moving here with the eval rewrite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sfcl.cli import anchors, bench, generate, ingest, llama_server, serve, soak
+from sfcl.cli.flags import add_model_flags
+
+_add_model_flags = add_model_flags  # the name sfcl.eval.drive imports until its parser moves here
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sfcl", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    serve.add_parser(sub)
+    generate.add_parser(sub)
+    soak.add_parser(sub)
+    ingest.add_parser(sub)
+    bench.add_parser(sub)
+    llama_server.add_parser(sub)
+    from sfcl.eval import run as _ev, stress as _st  # their parsers move here with the eval rewrite
+
+    _ev.add_parser(sub)
+    _st.add_parser(sub)
+    anchors.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sfcl.anchors.corpus import CorpusError
+    from sfcl.anchors.store import AnchorLibraryError
+    from sfcl.model.loader import ModelLoadError
+
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ModelLoadError, AnchorLibraryError, CorpusError, FileExistsError, ValueError) as e:
+        print(f"sfcl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
