@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.anchors.store import load_library
+from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, SnapshotEvent, TextDelta

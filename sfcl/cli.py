@@ -254,7 +254,7 @@ def cmd_anchors_build(a) -> int:
     from sfcl.anchors.versions import describe_command
 
     path = build_library(lm, docs, a.out, cfg, versioned=True, command=describe_command(a))
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     lib = load_library(path)
     print(f"[ANCHOR] built {lib.n_anchors} anchors from {len(docs)} documents "

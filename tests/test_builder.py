@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
-from sfcl.anchors.store import AnchorLibraryError, load_library
+from sfcl.anchors.store import AnchorLibraryError
+from sfcl.anchors.versions import load_library
 from sfcl.snapshot.triggers import Calibration, TriggerConfig
 
 from conftest import contractnli_docs

@@ -273,7 +273,7 @@ def _config(a) -> AuditConfig:
 
 
 def cmd_audit(a) -> int:
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     lib = load_library(a.lib)
     cfg = _config(a)
@@ -302,8 +302,7 @@ def flagged_from_report(lib: AnchorLibrary, report_dir) -> np.ndarray:
 
 
 def cmd_prune(a) -> int:
-    from sfcl.anchors.store import load_library
-    from sfcl.anchors.versions import describe_command, library_fields, select, write_version
+    from sfcl.anchors.versions import describe_command, library_fields, load_library, select, write_version
 
     if not a.flagged:
         raise ValueError("say what to prune: --flagged (the anchors an audit flags)")

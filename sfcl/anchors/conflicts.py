@@ -130,8 +130,7 @@ def report(lib: AnchorLibrary, res: ConflictResult, cfg: ConflictConfig) -> tupl
 
 
 def cmd_conflicts(a) -> int:
-    from sfcl.anchors.store import load_library
-    from sfcl.anchors.versions import describe_command, library_fields, select, write_version
+    from sfcl.anchors.versions import describe_command, library_fields, load_library, select, write_version
 
     if a.drop and not a.out:
         raise ValueError("--drop writes a new version: give --out ROOT")

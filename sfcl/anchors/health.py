@@ -219,7 +219,7 @@ def plot_drift(rep: dict, path: Path) -> None:
 
 
 def cmd_health(a) -> int:
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     cfg = HealthConfig(n_axes=a.n_axes, max_drift=a.max_drift, min_count=a.min_count)
     old, new = load_library(a.old), load_library(a.new)

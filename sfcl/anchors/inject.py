@@ -205,8 +205,7 @@ def inject(lib: AnchorLibrary, lm, clauses: list[Clause], *, weight: float = 0.3
 
 
 def cmd_inject(a) -> int:
-    from sfcl.anchors.store import load_library
-    from sfcl.anchors.versions import describe_command, write_version
+    from sfcl.anchors.versions import describe_command, load_library, write_version
     from sfcl.config import default_cache_dir
     from sfcl.model.loader import load_model
 
