@@ -250,7 +250,7 @@ def cmd_anchors_build(a) -> int:
     lm = load_model(a.model, dtype=a.dtype, device=a.device,
                     cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir())
     cfg = BuildConfig(n_anchors=a.n_anchors, layer=a.layer, seed=a.seed, window_tokens=a.window_tokens,
-                      max_points=a.max_points)
+                      batch_tokens=a.batch_tokens, max_points=a.max_points)
     from sfcl.anchors.versions import describe_command
 
     path = build_library(lm, docs, a.out, cfg, versioned=True, command=describe_command(a))
@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")
     b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
     b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
-    b.add_argument("--window-tokens", type=int, default=1024, help="tokens per model pass")
+    b.add_argument("--window-tokens", type=int, default=1024, help="tokens per window (a position attends to the earlier tokens of its window)")
+    b.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward: windows are batched up to this")
     b.add_argument("--max-points", type=int, default=None, help="stop after this many token positions")
     b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     _add_model_flags(b)
