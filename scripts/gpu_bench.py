@@ -184,7 +184,8 @@ def time_decode(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: in
 def random_snapshotter(a: LlamaArgs, dev, n: int, root: Path):
     """A Snapshotter over a random ``n``-anchor library of the model's hidden size (search speed
     does not depend on the vectors), with no entity classes and a neutral calibration."""
-    from sfcl.anchors.store import load_library, save_library
+    from sfcl.anchors.store import save_library
+    from sfcl.anchors.versions import load_library
     from sfcl.snapshot.snapshotter import Snapshotter
 
     g = torch.Generator().manual_seed(0)

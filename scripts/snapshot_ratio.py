@@ -16,7 +16,7 @@ import time
 import torch
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.anchors.store import load_library
+from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, SnapshotEvent, TextDelta

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError, load_library
+from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError
+from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
 from sfcl.engine.engine import LLMEngine

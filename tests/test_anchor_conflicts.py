@@ -12,8 +12,7 @@ from sfcl.anchors.builder import BuildConfig, build_library
 from sfcl.anchors.conflicts import ConflictConfig, find_conflicts
 from sfcl.anchors.corpus import Document
 from sfcl.anchors.inject import Clause, inject
-from sfcl.anchors.store import load_library
-from sfcl.anchors.versions import write_version
+from sfcl.anchors.versions import load_library, write_version
 from sfcl.cli import main
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sfcl" / "anchors" / "sample_corpus"

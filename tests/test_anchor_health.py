@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from sfcl.anchors.health import EXIT_DRIFT, drift, extract_entities, trigger_precision
-from sfcl.anchors.store import load_library
-from sfcl.anchors.versions import library_fields, select, write_version
+from sfcl.anchors.versions import library_fields, load_library, select, write_version
 from sfcl.cli import main
 
 

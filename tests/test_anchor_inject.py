@@ -9,7 +9,8 @@ import torch
 
 from conftest import contractnli_docs
 from sfcl.anchors.inject import clause_anchor, inject, parse_clauses
-from sfcl.anchors.store import AnchorLibraryError, load_library
+from sfcl.anchors.store import AnchorLibraryError
+from sfcl.anchors.versions import load_library
 from sfcl.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Tests for sfcl.anchors.store: library format round trip, validation errors, top-k search."""
+"""sfcl.anchors.store: library format round trip, validation errors, memory mapping."""
 import gc
 import json
 from pathlib import Path
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.anchors.store import (AnchorIndex, AnchorLibrary, AnchorLibraryError, load_library,
-                                save_library)
+from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError, load_library_dir, save_library
 
 FP = "fp-abc123"
 
@@ -53,7 +52,7 @@ def test_round_trip(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["anchors.safetensors", "manifest.json",
                                                      "spans.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp dir gone
-    lib = load_library(out, expect_fingerprint=FP, expect_hidden_size=16)
+    lib = load_library_dir(out, expect_fingerprint=FP, expect_hidden_size=16)
     assert isinstance(lib, AnchorLibrary)
     assert (lib.n_anchors, lib.hidden_size, lib.layer, lib.top_k_next) == (40, 16, 5, 8)
     assert lib.calibration == {"p50": 0.8}
@@ -90,7 +89,7 @@ def _mapped(path: Path) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
 def test_vectors_are_memory_mapped_and_close_releases(lib_dir):
     tf = (lib_dir / "anchors.safetensors").resolve()
-    lib = load_library(lib_dir)
+    lib = load_library_dir(lib_dir)
     assert _mapped(tf)
     # the tensor's bytes live inside the file mapping, i.e. they were not copied out
     ptr = lib.vectors.data_ptr()
@@ -112,7 +111,7 @@ def test_refuses_overwrite(lib_dir, tmp_path):
         save(lib_dir)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert load_library(save(empty)).n_anchors == 40  # an empty directory is fine
+    assert load_library_dir(save(empty)).n_anchors == 40  # an empty directory is fine
 
 
 def test_save_validation(tmp_path):
@@ -138,7 +137,7 @@ def test_save_accepts_numpy_and_int64(tmp_path):
     a = {k: (v.numpy().astype(np.int64) if k in ("counts", "span_doc") else v)
          for k, v in a.items()}
     a["vectors"] = a["vectors"].numpy().astype(np.float64)
-    lib = load_library(save(tmp_path / "lib", a))
+    lib = load_library_dir(save(tmp_path / "lib", a))
     assert lib.counts.dtype == torch.int32 and lib.vectors.dtype == torch.float16
 
 
@@ -149,14 +148,14 @@ def test_damaged_file_checksum(lib_dir):
         data[i] ^= 0xFF
     tf.write_bytes(bytes(data))
     with pytest.raises(AnchorLibraryError, match="checksum"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def test_damaged_spans_checksum(lib_dir):
     sp = lib_dir / "spans.json"
     sp.write_text(sp.read_text().replace("span text 1 ", "span text X "))
     with pytest.raises(AnchorLibraryError, match="spans.json.*checksum"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def test_truncated_file(lib_dir):
@@ -164,24 +163,24 @@ def test_truncated_file(lib_dir):
     data = tf.read_bytes()
     tf.write_bytes(data[: len(data) // 2])
     with pytest.raises(AnchorLibraryError, match="checksum"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
     # without checksums the safetensors reader itself must refuse, still as AnchorLibraryError
     with pytest.raises(AnchorLibraryError, match="anchors.safetensors"):
-        load_library(lib_dir, verify_checksums=False)
+        load_library_dir(lib_dir, verify_checksums=False)
     tf.write_bytes(data[:5])
     with pytest.raises(AnchorLibraryError, match="anchors.safetensors"):
-        load_library(lib_dir, verify_checksums=False)
+        load_library_dir(lib_dir, verify_checksums=False)
 
 
 def test_missing_pieces(lib_dir, tmp_path):
     with pytest.raises(AnchorLibraryError, match="does not exist"):
-        load_library(tmp_path / "nope")
+        load_library_dir(tmp_path / "nope")
     (lib_dir / "spans.json").unlink()
     with pytest.raises(AnchorLibraryError, match="spans.json"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
     (lib_dir / "manifest.json").unlink()
     with pytest.raises(AnchorLibraryError, match="manifest.*missing.*sfcl anchors build"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def _edit_manifest(lib_dir, **changes):
@@ -194,22 +193,22 @@ def _edit_manifest(lib_dir, **changes):
 def test_bad_manifest(lib_dir):
     (lib_dir / "manifest.json").write_text("{not json")
     with pytest.raises(AnchorLibraryError, match="not valid JSON"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def test_wrong_format_version(lib_dir):
     _edit_manifest(lib_dir, format_version=2)
     with pytest.raises(AnchorLibraryError, match="version 2"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def test_manifest_shape_inconsistency(lib_dir):
     _edit_manifest(lib_dir, n_anchors=41)
     with pytest.raises(AnchorLibraryError, match="'counts'|'vectors'"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
     _edit_manifest(lib_dir, n_anchors=40, top_k_next=4)
     with pytest.raises(AnchorLibraryError, match="next_ids"):
-        load_library(lib_dir)
+        load_library_dir(lib_dir)
 
 
 def test_missing_tensor(tmp_path, lib_dir):
@@ -218,12 +217,12 @@ def test_missing_tensor(tmp_path, lib_dir):
     t = {k: v.clone() for k, v in load_file(str(tf)).items() if k != "decay"}
     save_file(t, str(tf))
     with pytest.raises(AnchorLibraryError, match="'decay' is missing"):
-        load_library(lib_dir, verify_checksums=False)
+        load_library_dir(lib_dir, verify_checksums=False)
 
 
 def test_fingerprint_mismatch_names_both(lib_dir):
     with pytest.raises(AnchorLibraryError) as ei:
-        load_library(lib_dir, expect_fingerprint="fp-other", expect_model_name="big-llama")
+        load_library_dir(lib_dir, expect_fingerprint="fp-other", expect_model_name="big-llama")
     msg = str(ei.value)
     for s in ("tiny-llama", FP, "big-llama", "fp-other"):
         assert s in msg
@@ -231,79 +230,17 @@ def test_fingerprint_mismatch_names_both(lib_dir):
 
 def test_hidden_size_mismatch(lib_dir):
     with pytest.raises(AnchorLibraryError, match="hidden size 16.*32"):
-        load_library(lib_dir, expect_hidden_size=32)
+        load_library_dir(lib_dir, expect_hidden_size=32)
 
 
-def _brute(vectors16: torch.Tensor, q: np.ndarray, k: int):
-    v = vectors16.float().numpy().astype(np.float64)
-    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
-    s = qn @ v.T
-    ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(s, ids, 1), ids
+def test_the_format_imports_nothing_above_it():
+    """The format is the bottom layer: versions (roots) and index (search) import it, never the
+    reverse (top-level and function-local imports alike)."""
+    import ast
 
+    import sfcl.anchors.store as store
 
-@pytest.mark.parametrize("dtype,int8_rows", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float16, 0),
-                                              (torch.bfloat16, 4), (torch.bfloat16, 9)])
-@pytest.mark.parametrize("k", [1, 3, 10, 500])
-def test_search_matches_brute_force(tmp_path, dtype, int8_rows, k):
-    n, d = 300, 32
-    lib = load_library(save(tmp_path / "lib", make_arrays(n=n, d=d, seed=1)))
-    index = AnchorIndex(lib, dtype=dtype, int8_rows=int8_rows)  # int8_rows 9: the 9 queries take the int8 path
-    rng = np.random.default_rng(7)
-    q = rng.normal(size=(9, d)) * rng.uniform(0.01, 50, size=(9, 1))  # unnormalised
-    scores, ids = index.search(torch.from_numpy(q).to(torch.float64), k=k)
-    kk = min(k, n)
-    assert scores.shape == (9, kk) and ids.shape == (9, kk)
-    assert scores.dtype == torch.float32 and ids.dtype == torch.int64
-    ref_s, ref_ids = _brute(lib.vectors, q, kk)
-    np.testing.assert_allclose(scores.numpy(), ref_s, atol=1e-5)
-    assert (np.diff(scores.numpy(), axis=1) <= 1e-7).all()  # best first
-    # returned ids really have those scores (ties may order ids differently than numpy)
-    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
-    own = np.take_along_axis(qn @ lib.vectors.float().numpy().T, ids.numpy(), 1)
-    np.testing.assert_allclose(own, ref_s, atol=1e-5)
-    assert (ids.numpy()[:, 0] == ref_ids[:, 0]).all()
-    if kk == n:
-        assert all(sorted(row) == list(range(n)) for row in ids.tolist())
-
-
-def test_search_self_query_and_input_dtypes(lib_dir):
-    lib = load_library(lib_dir)
-    index = AnchorIndex(lib)
-    q = lib.vectors[:5].clone() * 7
-    for qq in (q, q.float(), q.to(torch.bfloat16)):
-        scores, ids = index.search(qq, k=1)
-        assert ids[:, 0].tolist() == [0, 1, 2, 3, 4]
-        assert torch.allclose(scores[:, 0], torch.ones(5), atol=1e-2)
-
-
-def test_search_int8_candidates_match_exact_on_many_anchors(tmp_path):
-    """The int8 candidate pass finds the same top-3 as float32 over 4,096 anchors, near and far queries."""
-    n, d = 4096, 64
-    lib = load_library(save(tmp_path / "lib", make_arrays(n=n, d=d, seed=3)))
-    exact, int8 = AnchorIndex(lib), AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4)
-    assert int8.int8.dtype == torch.int8 and int8.int8.shape == (n, d)
-    g = torch.Generator().manual_seed(0)
-    base = lib.vectors[torch.randint(0, n, (64,), generator=g)].float()
-    for noise in (0.05, 0.5, 3.0):
-        q = base + noise * torch.randn(base.shape, generator=g) / d ** 0.5
-        for rows in q.split(4):  # batches of <= 4 rows: the int8 path
-            s_ref, i_ref = exact.search(rows, k=3)
-            s8, i8 = int8.search(rows, k=3)
-            assert torch.equal(i8, i_ref)
-            torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
-
-
-def test_search_int8_rows_validated(lib_dir):
-    with pytest.raises(ValueError, match="int8_rows"):
-        AnchorIndex(load_library(lib_dir), dtype=torch.bfloat16, int8_rows=-1)
-
-
-def test_search_bad_queries(lib_dir):
-    index = AnchorIndex(load_library(lib_dir))
-    with pytest.raises(ValueError, match="16"):
-        index.search(torch.randn(2, 15))
-    with pytest.raises(ValueError):
-        index.search(torch.randn(16))
-    with pytest.raises(ValueError):
-        index.search(torch.randn(1, 16), k=0)
+    tree = ast.parse(Path(store.__file__).read_text(encoding="utf-8"))
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in names if m.startswith("sfcl")]

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfcl.anchors.store import (AnchorLibraryError, KeywordBoost, _sha256, kind_multipliers, load_library,
-                                parse_keyword_boost)
-from sfcl.anchors.versions import (CURRENT_FILE, is_root, library_fields, list_versions, resolve_library_dir,
-                                   select, set_current, write_version)
+from sfcl.anchors.store import AnchorLibraryError, KeywordBoost, _sha256, kind_multipliers, parse_keyword_boost
+from sfcl.anchors.versions import (CURRENT_FILE, is_root, library_fields, list_versions, load_library,
+                                   resolve_library_dir, select, set_current, write_version)
 from sfcl.cli import main
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sfcl" / "anchors" / "sample_corpus"

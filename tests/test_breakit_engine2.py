@@ -1,5 +1,7 @@
-"""Break-it tests for the features landed on 2026-11-30: int8 anchor candidates, --compile with
---weight-quant, per-step thread switching, the sampler, interleaved bench rounds."""
+"""Break-it tests for the features landed on 2026-11-30: --compile with --weight-quant, per-step
+thread switching, the sampler, interleaved bench rounds. (The int8 anchor-candidate pass they also
+covered is gone: ``sfcl.anchors.index`` searches large libraries through IVF, tests in
+tests/test_anchor_index.py.)"""
 
 from collections import defaultdict
 
@@ -157,115 +159,6 @@ def test_sample_seed_reproducible_across_batch_composition():
     alone = sample(logits[1:2], [0.9], [0.9], [_gen(42)])
     mixed = sample(logits, [0.0, 0.9, 1.3], [1.0, 0.9, 1.0], [None, _gen(42), _gen(7)])
     assert alone[0] == mixed[1]
-
-
-# --- 1. AnchorIndex int8 candidate pass ----------------------------------------------------------
-
-def _lib(tmp_path, n, d, vectors=None, seed=0):
-    from test_anchor_store import make_arrays, save
-
-    from sfcl.anchors.store import load_library
-
-    a = make_arrays(n=n, d=d, seed=seed)
-    if vectors is not None:
-        a["vectors"] = vectors
-    return load_library(save(tmp_path / f"lib-{n}-{d}-{seed}", a))
-
-
-@pytest.mark.parametrize("n,d", [(1, 16), (2, 16), (5, 48), (18, 32), (19, 64)])
-@pytest.mark.parametrize("k", [1, 3, 50])
-def test_int8_tiny_libraries_match_exact(tmp_path, n, d, k):
-    """N below the candidate count, k above N: int8 path == float32 path (ids and scores)."""
-    from sfcl.anchors.store import AnchorIndex
-
-    lib = _lib(tmp_path, n, d)
-    q = torch.randn(3, d, generator=torch.Generator().manual_seed(1))
-    s_ref, i_ref = AnchorIndex(lib).search(q, k)
-    s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, k)
-    assert i8.shape == (3, min(k, n))
-    assert torch.equal(i8, i_ref)
-    torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float64])
-def test_int8_query_dtypes_and_norms(tmp_path, dt):
-    from sfcl.anchors.store import AnchorIndex
-
-    lib = _lib(tmp_path, 50, 16)
-    q = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
-    ex, i8 = AnchorIndex(lib), AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4)
-    for scale in (1.0, 1e-20, 1e15):
-        qq = (q * scale).to(dt)
-        s_ref, i_ref = ex.search(qq, 3)
-        s8, ids8 = i8.search(qq, 3)
-        torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0, equal_nan=True)  # fp16 * 1e15: inf -> NaN both
-        assert torch.equal(ids8, i_ref) or not bool(s_ref.abs().sum() > 0)
-
-
-def test_int8_zero_query_scores_zero(tmp_path):
-    from sfcl.anchors.store import AnchorIndex
-
-    lib = _lib(tmp_path, 50, 16)
-    s, ids = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(torch.zeros(2, 16), 3)
-    assert torch.equal(s, torch.zeros(2, 3)) and ((ids >= 0) & (ids < 50)).all()
-
-
-def test_int8_ties_and_sparse_anchors_same_scores(tmp_path):
-    """Identical anchors (ties) and anchors full of zeros: same scores as float32 (tie order free)."""
-    from sfcl.anchors.store import AnchorIndex
-
-    g = torch.Generator().manual_seed(3)
-    v = torch.randn(1, 16, generator=g).repeat(40, 1)
-    v[20:] = torch.randn(20, 16, generator=g)
-    z = torch.zeros(60, 16)
-    z[torch.arange(60), torch.arange(60) % 16] = 1.0
-    z[::2, 3] = 0.5
-    for vec, n, k in ((v, 40, 3), (v, 40, 25), (z, 60, 5)):
-        lib = _lib(tmp_path, n, 16, vectors=vec, seed=k)
-        q = v[:2] + 0.01 if vec is v else torch.randn(4, 16, generator=g)
-        s_ref, _ = AnchorIndex(lib).search(q, k)
-        s8, ids8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, k)
-        torch.testing.assert_close(s8, s_ref, atol=1e-5, rtol=0)
-        assert (ids8.sort(1).values.diff(dim=1) > 0).all()  # no anchor returned twice
-
-
-def test_int8_non_contiguous_queries(tmp_path):
-    """BUG: a (B, D) query that is a transposed view (last dim not contiguous) works on the float32
-    and bf16 paths, but the int8 path raises RuntimeError ('A must be contiguous on the last
-    dimension') from torch._weight_int8pack_mm."""
-    from sfcl.anchors.store import AnchorIndex
-
-    lib = _lib(tmp_path, 50, 16)
-    q = torch.randn(16, 3, generator=torch.Generator().manual_seed(4)).T  # (3, 16), stride (1, 3)
-    s_ref, i_ref = AnchorIndex(lib).search(q, 3)
-    s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, 3)
-    assert torch.equal(i8, i_ref)
-
-
-@pytest.mark.parametrize("d", [8, 24, 33])
-def test_int8_hidden_size_not_multiple_of_16_does_not_crash(tmp_path, d):
-    """BUG: torch._weight_int8pack_mm on CPU needs K % 16 == 0; with another D, AnchorIndex's int8
-    path SEGFAULTS the process (no Python exception). Run in a subprocess so the suite survives."""
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
-    _lib(tmp_path, 30, d)  # writes tmp_path / f"lib-30-{d}-0"
-    code = textwrap.dedent(f"""
-        import torch
-        from sfcl.anchors.store import load_library, AnchorIndex
-        lib = load_library({str(tmp_path / f'lib-30-{d}-0')!r})
-        q = torch.randn(2, {d})
-        s_ref, i_ref = AnchorIndex(lib).search(q, 3)
-        s8, i8 = AnchorIndex(lib, dtype=torch.bfloat16, int8_rows=4).search(q, 3)
-        assert torch.equal(i8, i_ref), (i8, i_ref)
-        print("OK")
-    """)
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
-    assert r.returncode == 0 and "OK" in r.stdout, f"rc={r.returncode} stderr={r.stderr[-500:]}"
 
 
 def test_quantlinear_int8_bf16_odd_in_features_does_not_crash():

@@ -5,7 +5,8 @@ traceback: seen with ``"calibration": "x"``)."""
 
 import pytest
 
-from sfcl.anchors.store import AnchorLibraryError, load_library
+from sfcl.anchors.store import AnchorLibraryError
+from sfcl.anchors.versions import load_library
 from sfcl.snapshot.triggers import TriggerConfig
 from tests.test_anchor_store import _edit_manifest, save
 

@@ -121,7 +121,7 @@ def test_reload_with_lookups_in_flight_keeps_the_old_version_until_its_last_requ
     import gc
     import weakref
 
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
     from sfcl.config import SnapshotConfig
     from sfcl.serving import make_reloader
 

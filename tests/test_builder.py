@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
-from sfcl.anchors.store import AnchorLibraryError, load_library
+from sfcl.anchors.store import AnchorLibraryError
+from sfcl.anchors.versions import load_library
 from sfcl.snapshot.triggers import Calibration, TriggerConfig
 
 from conftest import contractnli_docs
@@ -48,6 +49,13 @@ def test_same_seed_same_library_and_model_binding(lm, tmp_path):
     with pytest.raises(AnchorLibraryError):
         load_library(tmp_path / "a", expect_hidden_size=1024)
     assert np.isfinite(a.decay.numpy()).all() and (a.decay.numpy() > 0).all()
+    # the model pass is recorded against its floor, and every phase's time
+    build = a.manifest["build"]
+    mp = build["model_pass"]
+    assert mp["tokens"] == build["n_points"] + mp["windows"]  # a window's last position has no next token
+    assert mp["tflop"] > 0 and mp["gemm_gflops"] > 0 and mp["floor_s"] > 0 and mp["seconds"] > 0
+    assert set(build["seconds"]) == {"model_pass", "kmeans", "calibration", "total"}
+    assert build["clustering"] == "two-level spherical k-means"
 
 
 def test_serving_calibration_in_the_manifest(lm, tmp_path):
@@ -71,3 +79,18 @@ def test_serving_calibration_in_the_manifest(lm, tmp_path):
     assert library_cache_name("f" * 16, "c" * 16, 22, 64).endswith("-c2")  # old cached defaults get rebuilt
     with pytest.raises(ValueError):
         BuildConfig(calibration_target=1.5)
+
+
+def test_serving_signals_batched_prefill_equals_one_prompt_at_a_time(lm):
+    """Prompts prefilled several per forward (the runner's prompt chunks) give the signals of
+    prompts prefilled alone: same greedy tokens, same logprobs and dispersions up to rounding."""
+    from sfcl.anchors.builder import serving_signals
+
+    docs = contractnli_docs(2)
+    prompts = calibration_prompts(lm, docs, BuildConfig(calibration_prompts=4, calibration_long_tokens=120))
+    alone = serving_signals(lm, prompts, 22, 8, progress=False, batch_tokens=1)  # a batch holds at least one prompt
+    together = serving_signals(lm, prompts, 22, 8, progress=False, batch_tokens=4096)
+    assert alone.surprisal.shape == together.surprisal.shape
+    np.testing.assert_allclose(together.surprisal, alone.surprisal, atol=1e-3)
+    np.testing.assert_allclose(together.d3, alone.d3, atol=1e-4)
+    assert (together.in_entity == alone.in_entity).all()

@@ -119,7 +119,7 @@ def test_trigger_config_from_calibration_defaults_and_errors():
 
 
 def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_path):
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
     from sfcl.config import EngineConfig
     from sfcl.serving import make_llm_engine
 
@@ -136,7 +136,7 @@ def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_p
 
 
 def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
     from sfcl.cli import main
     from tests.conftest import contractnli_docs, CONTRACTNLI
 

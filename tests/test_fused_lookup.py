@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfcl.anchors.store import AnchorIndex
+from sfcl.anchors.index import AnchorIndex
 from sfcl.config import EngineConfig
 from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams

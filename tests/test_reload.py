@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from sfcl.anchors.store import load_library
+from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
 from sfcl.serving import make_llm_engine, make_reloader

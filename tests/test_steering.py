@@ -8,7 +8,8 @@ import httpx
 import pytest
 import torch
 
-from sfcl.anchors.store import load_library, save_library
+from sfcl.anchors.store import save_library
+from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import SnapshotEvent, TextDelta

@@ -1,15 +1,28 @@
 """Static Anchor Generator: corpus -> hidden states of the snapshot layer -> at most N anchors.
 
-``build_library(lm, docs, out_dir, cfg)`` runs the serving model (``sfcl.model``) over each
-document in windows of ``window_tokens``, collecting at every position i (CPU tensors):
-- the snapshot layer's residual-stream hidden state h_i (what the runner taps when serving),
-- the model's top-K next-token distribution at i and the token that actually followed (i+1),
-- the surprisal of that next token and the attention dispersion of query i (``triggers``),
-then clusters the unit-normalised h_i into at most N anchors (each point is its own anchor when
-there are fewer points than N; spherical k-means otherwise), and
-writes an immutable library with ``sfcl.anchors.store.save_library``. The calibration statistics
-of the trigger signals (surprisal and 3-token dispersion mean/std, and the share of corpus tokens
-each trigger would fire on) go into the manifest. Same corpus, model and seed -> same library.
+``build_library(lm, docs, out_dir, cfg)`` runs in three timed phases, each with a progress bar:
+
+1. **Model pass** (``collect``, ``sfcl.anchors.model_pass``): the serving model over each
+   document in windows of ``window_tokens``, several windows per forward (``batch_tokens``),
+   keeping at every position i (CPU tensors) the snapshot layer's residual-stream hidden state
+   h_i (what the runner taps when serving), the model's top-K next tokens at i and the surprisal
+   of the token that actually followed, and the attention dispersion of query i (``triggers``).
+   Before it the build measures the GEMM rate and prints the pass's floor (model FLOP / rate);
+   after it, the achieved rate and the ratio to the floor.
+2. **Clustering** (``sfcl.anchors.kmeans.two_level_kmeans``): the unit-normalised h_i into at most
+   N anchors (each point is its own anchor when there are fewer points than N), then per anchor
+   its member count, spread, representative span and averaged next-token distribution.
+3. **Calibration**: the statistics of the trigger signals (surprisal and 3-token dispersion
+   mean/std, and the share of corpus tokens each trigger would fire on) and the serving
+   calibration below go into the manifest.
+
+The library is written with ``sfcl.anchors.store.save_library`` (or as the next version of a root,
+``sfcl.anchors.versions.write_version``); the manifest's ``build`` records the settings, the model
+pass against its floor and the seconds of each phase. Same corpus, model, seed and thread count ->
+same library.
+
+Measured on this project's AVX2-only AMD EPYC (2 cores, shared): see ``sfcl anchors build``'s
+printed floor ratio; the 61 ContractNLI NDAs (148,497 tokens) are 45 TFLOP of model work.
 
 Serving calibration (``BuildConfig.calibration_prompts`` > 0, the default): normalised attention
 entropy depends on the attended length and on the prompt format (chat template, generated vs
@@ -29,6 +42,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,10 +52,11 @@ import torch
 from tqdm.auto import tqdm
 
 from sfcl.anchors.corpus import Document, corpus_hash
+from sfcl.anchors.kmeans import two_level_kmeans
+from sfcl.anchors.model_pass import flops_per_token, gemm_rate, run_windows
 from sfcl.anchors.store import save_library
 from sfcl.engine.kv_cache import KVCache
-from sfcl.model.hardware import fast_float_dtype
-from sfcl.model.llama import AttnBatch
+from sfcl.model.llama import AttnBatch, ChunkSpec, StepBatch
 from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_table
 
 log = logging.getLogger("sfcl.anchors")
@@ -68,7 +84,8 @@ class BuildConfig:
     n_anchors: int = 32768  # at most this many anchors
     layer: int | None = None  # snapshot layer; None -> default_layer(n_layers)
     seed: int = 0
-    window_tokens: int = 1024  # tokens per forward pass over a document
+    window_tokens: int = 1024  # tokens per window: a position attends to the earlier tokens of its window
+    batch_tokens: int = 4096  # tokens per forward (windows and calibration prompts are batched up to this)
     top_k_next: int = 8  # next-token entries kept per anchor
     span_tokens: int = 12  # tokens of left context in an anchor's representative span
     max_points: int | None = None  # cap on collected positions (None = all)
@@ -83,6 +100,8 @@ class BuildConfig:
             raise ValueError("n_anchors must be >= 1")
         if self.window_tokens < SKIP_POSITIONS + 2:
             raise ValueError(f"window_tokens must be >= {SKIP_POSITIONS + 2}")
+        if self.batch_tokens < 1:
+            raise ValueError("batch_tokens must be >= 1")
         if self.top_k_next < 1:
             raise ValueError("top_k_next must be >= 1")
         if self.calibration_prompts < 0 or self.calibration_tokens < 4 or self.calibration_long_tokens < 16:
@@ -104,90 +123,99 @@ class _Collected:
     n_attended: np.ndarray  # (m,) int64, positions attended by the last query of each d3 value
 
 
-@torch.inference_mode()
-def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bool = True) -> _Collected:
-    tok, model = lm.tokenizer, lm.model
-    device = next(model.parameters()).device
-    kv = KVCache(lm.args, 1, cfg.window_tokens, next(model.parameters()).dtype, str(device))
-    windows = []
+@dataclass(slots=True)
+class PassStats:
+    """The model pass against its floor (printed by the build, recorded in the manifest)."""
+
+    tokens: int  # corpus tokens run through the model
+    windows: int
+    tflop: float  # model FLOP of the pass (``model_pass.flops_per_token``), 1e12
+    gemm_gflops: float  # GEMM rate measured at the start (``model_pass.gemm_rate``), GFLOP/s
+    floor_s: float  # tflop / gemm rate: the pass at the measured GEMM rate
+    seconds: float = 0.0  # wall time of the pass
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.floor_s if self.floor_s > 0 else float("inf")
+
+
+def _say(msg: str, progress: bool) -> None:
+    """A build progress line: on stderr (``[ANCHOR] ...``) with progress bars, else to the log."""
+    if progress:
+        tqdm.write(f"[ANCHOR] {msg}", file=sys.stderr)
+    else:
+        log.info(msg)
+
+
+def _windows(lm, docs: list[Document], cfg: BuildConfig) -> list[tuple[int, list[int], list]]:
+    """(doc index, token ids, char offsets) per window of ``window_tokens``; stops once
+    ``max_points`` positions are covered."""
+    out, points = [], 0
     for di, d in enumerate(docs):
-        enc = tok(d.text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = lm.tokenizer(d.text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offs = enc["input_ids"], enc["offset_mapping"]
         for s in range(0, max(0, len(ids) - 1), cfg.window_tokens):
             w_ids = ids[s : s + cfg.window_tokens]
             if len(w_ids) >= 2:
-                windows.append((di, w_ids, offs[s : s + cfg.window_tokens]))
+                out.append((di, w_ids, offs[s : s + cfg.window_tokens]))
+                points += len(w_ids) - 1
+                if cfg.max_points and points >= cfg.max_points:
+                    return out
+    return out
+
+
+def _batches(windows: list, max_tokens: int) -> list[list]:
+    """Consecutive windows in batches of at most ``max_tokens`` tokens (a longer window alone)."""
+    out, cur, n = [], [], 0
+    for w in windows:
+        if cur and n + len(w[1]) > max_tokens:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(w)
+        n += len(w[1])
+    return out + ([cur] if cur else [])
+
+
+def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bool = True) -> tuple[_Collected, PassStats]:
+    """The model pass (``sfcl.anchors.model_pass``) over the corpus windows, batched, with its
+    floor: prints the pass's FLOP, the GEMM rate measured now and the floor before, and the
+    achieved rate and floor ratio after. Raises ValueError for a corpus without text."""
+    windows = _windows(lm, docs, cfg)
     if not windows:
         raise ValueError("the corpus has no text to build anchors from")
-    H, K = [], []
-    KP, DOC, SS, SE, SUR, D3, NA = [], [], [], [], [], [], []
-    total = 0
-    for di, w_ids, w_offs in tqdm(windows, desc="anchors: model pass", unit="win", disable=not progress):
-        T = len(w_ids)
-        ids = torch.tensor([w_ids], device=device)
-        b = AttnBatch(is_prefill=True, slots=torch.tensor([0]), positions=torch.arange(T, device=device), kv_len=T)
-        fo = model(ids, b, kv, layer, all_positions=True)
-        logp = torch.log_softmax(fo.logits[0, :-1].float(), -1)  # (T-1, V) predicts positions 1..T-1
-        nxt = torch.tensor(w_ids[1:], device=device)
-        sur = -logp.gather(1, nxt[:, None])[:, 0]  # (T-1,)
-        top_p, top_i = logp.exp().topk(cfg.top_k_next, dim=-1)  # (T-1, K)
-        probs = fo.tap_probs[0].transpose(0, 1)  # (T, nh, S)
-        disp = attention_dispersion(probs, torch.arange(1, T + 1, device=device))  # (T,)
-        d3 = torch.nn.functional.avg_pool1d(disp[None, None], 3, stride=1)[0, 0]  # (T-2,) mean of i-2..i
-        h = fo.tap_hidden[0, :-1].float()  # (T-1, H)
-        H.append(torch.nn.functional.normalize(h, dim=-1).cpu())
-        K.append(top_i.cpu())
-        KP.append(top_p.float().cpu())
-        DOC.append(np.full(T - 1, di, np.int32))
-        lo = [w_offs[max(0, i - cfg.span_tokens)][0] for i in range(T - 1)]
-        SS.append(np.asarray(lo, np.int32))
-        SE.append(np.asarray([w_offs[i + 1][1] for i in range(T - 1)], np.int32))
-        SUR.append(sur[SKIP_POSITIONS:].double().cpu().numpy())
-        D3.append(d3[SKIP_POSITIONS:].double().cpu().numpy())  # d3[j] averages disp[j..j+2]
-        NA.append(np.arange(SKIP_POSITIONS + 3, T + 1, dtype=np.int64))  # query j+2 attends j+3 positions
-        total += T - 1
-        if cfg.max_points and total >= cfg.max_points:
-            break
-    return _Collected(hidden=torch.cat(H), next_ids=torch.cat(K), next_probs=torch.cat(KP),
-                      doc=np.concatenate(DOC), span_start=np.concatenate(SS), span_end=np.concatenate(SE),
-                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3), n_attended=np.concatenate(NA))
-
-
-def cluster(x: torch.Tensor, k: int, seed: int, iters: int, progress: bool = True) -> tuple[np.ndarray, torch.Tensor]:
-    """Spherical k-means (Lloyd iterations on unit vectors, cosine assignment).
-
-    x: (n, H) float32 unit rows. Returns (labels (n,) int64, centroids (k, H) float32 unit).
-    Seeded initialisation from k distinct random points; an emptied cluster is re-seeded with the
-    point worst served by its centroid. Assignment runs in chunks in ``fast_float_dtype()``
-    (bfloat16 on CPUs with native bf16, about 2x float32 there; float32 elsewhere, where bf16 is
-    emulated and 30-47x slower); centroid updates accumulate in float32. scikit-learn's
-    MiniBatchKMeans needs a first batch of >= k points and a float32 distance matrix, which at
-    k = 32,768 was several times slower here; our loop is ~40 lines and deterministic.
-    """
-    n = x.shape[0]
-    if k >= n:
-        return np.arange(n), x.clone()
-    g = torch.Generator().manual_seed(seed)
-    cent = x[torch.randperm(n, generator=g)[:k]].clone()  # (k, H)
-    labels = torch.zeros(n, dtype=torch.int64)
-    best = torch.zeros(n)
-    fast = fast_float_dtype()
-    xb = x.to(fast)
-    chunk = max(1, (1 << 26) // k)  # rows per chunk: ~64M similarity entries
-    for _ in tqdm(range(iters), desc="anchors: k-means", unit="iter", disable=not progress):
-        cb = cent.to(fast).T.contiguous()  # (H, k)
-        for s in range(0, n, chunk):
-            sim = xb[s : s + chunk] @ cb  # (c, k)
-            v, i = sim.max(1)
-            labels[s : s + chunk], best[s : s + chunk] = i, v.float()
-        new = torch.zeros_like(cent).index_add_(0, labels, x)  # (k, H) sums
-        counts = torch.bincount(labels, minlength=k)
-        empty = torch.nonzero(counts == 0)[:, 0]
-        if len(empty):
-            worst = torch.argsort(best)[: len(empty)]
-            new[empty] = x[worst]
-        cent = torch.nn.functional.normalize(new, dim=-1)
-    return labels.numpy(), cent
+    dtype = next(lm.model.parameters()).dtype
+    lens = np.array([len(w[1]) for w in windows], np.float64)
+    tokens = int(lens.sum())
+    mean_attended = float((lens * (lens + 1) / 2).sum() / tokens)
+    rate = gemm_rate(dtype)
+    tflop = flops_per_token(lm.args, mean_attended) * tokens / 1e12
+    st = PassStats(tokens=tokens, windows=len(windows), tflop=tflop, gemm_gflops=rate, floor_s=tflop * 1e3 / rate)
+    _say(f"model pass: {tokens:,} tokens in {len(windows)} windows, {tflop:.1f} TFLOP; GEMM {rate:.1f} GFLOP/s "
+         f"({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads) -> floor {st.floor_s:.0f} s", progress)
+    H, K, KP, DOC, SS, SE, SUR, D3, NA = [], [], [], [], [], [], [], [], []
+    t0 = time.perf_counter()
+    with tqdm(total=tokens, desc="anchors: model pass", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for batch in _batches(windows, cfg.batch_tokens):
+            outs = run_windows(lm.model, [w[1] for w in batch], layer, cfg.top_k_next)
+            for (di, w_ids, w_offs), o in zip(batch, outs):
+                T = len(w_ids)
+                H.append(torch.nn.functional.normalize(o.hidden, dim=-1))
+                K.append(o.top_ids)
+                KP.append(o.top_probs)
+                DOC.append(np.full(T - 1, di, np.int32))
+                SS.append(np.asarray([w_offs[max(0, i - cfg.span_tokens)][0] for i in range(T - 1)], np.int32))
+                SE.append(np.asarray([w_offs[i + 1][1] for i in range(T - 1)], np.int32))
+                d3 = torch.nn.functional.avg_pool1d(o.dispersion[None, None], 3, stride=1)[0, 0]  # (T-2,) mean of i-2..i
+                SUR.append(o.surprisal[SKIP_POSITIONS:].double().numpy())
+                D3.append(d3[SKIP_POSITIONS:].double().numpy())  # d3[j] averages disp[j..j+2]
+                NA.append(np.arange(SKIP_POSITIONS + 3, T + 1, dtype=np.int64))  # query j+2 attends j+3 positions
+                bar.update(T)
+    st.seconds = time.perf_counter() - t0
+    _say(f"model pass: {st.seconds:.0f} s, {tflop * 1e3 / st.seconds:.1f} GFLOP/s, {st.ratio:.2f}x the floor", progress)
+    col = _Collected(hidden=torch.cat(H), next_ids=torch.cat(K), next_probs=torch.cat(KP),
+                     doc=np.concatenate(DOC), span_start=np.concatenate(SS), span_end=np.concatenate(SE),
+                     surprisal=np.concatenate(SUR), d3=np.concatenate(D3), n_attended=np.concatenate(NA))
+    return col, st
 
 
 def _aggregate(col: _Collected, labels: np.ndarray, cent: torch.Tensor, top_k: int):
@@ -275,10 +303,13 @@ def calibration_prompts(lm, docs: list[Document], cfg: BuildConfig) -> list[list
 
 
 @torch.inference_mode()
-def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, progress: bool = True):
-    """Greedy answers to ``prompts`` (token id lists; each prefilled alone, then decoded together
-    as one batch, as the runner does; a row stops at EOS) with the runner's per-token signals, as
-    ``sfcl.eval.calibrate.TokenSignals`` (surprisal, D3, entity flag, attended length)."""
+def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, progress: bool = True,
+                    batch_tokens: int = 4096):
+    """Greedy answers to ``prompts`` (token id lists; prefilled as the runner prefills prompt
+    chunks, several per forward up to ``batch_tokens`` tokens, each attending only to itself;
+    then decoded together as one batch, as the runner does; a row stops at EOS) with the runner's
+    per-token signals, as ``sfcl.eval.calibrate.TokenSignals`` (surprisal, D3, entity flag,
+    attended length)."""
     from sfcl.eval.calibrate import TokenSignals, signals_from_tokens
     from sfcl.snapshot.entity import vocab_class_table
 
@@ -290,12 +321,21 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
     lens = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     logits, disp = [], []
-    for r, ids in enumerate(tqdm(prompts, desc="anchors: calibration prefill", unit="prompt", disable=not progress)):
-        T = len(ids)
-        b = AttnBatch(is_prefill=True, slots=torch.tensor([r]), positions=torch.arange(T, device=device), kv_len=T)
-        fo = model(torch.tensor([ids], device=device), b, kv, layer)
-        logits.append(fo.logits)  # (1, V)
-        disp.append(attention_dispersion(fo.tap_probs[:, :, -1], lens[r:r + 1]))
+    with tqdm(total=int(lens.sum()), desc="anchors: calibration prefill", unit="tok", unit_scale=True,
+              disable=not progress) as bar:
+        for group in _batches(list(enumerate(prompts)), batch_tokens):
+            ids, pos, chunks, last = [], [], [], []
+            for r, p in group:  # prompt r -> KV row r, its last token's logits and attention row come back
+                chunks.append(ChunkSpec(slot=r, start=0, offset=len(ids), length=len(p), want_probs=True))
+                ids += p
+                pos += range(len(p))
+                last.append(len(ids) - 1)
+            step = StepBatch(positions=torch.tensor(pos, device=device), decode=None, chunks=chunks,
+                             sample_index=torch.tensor(last, device=device))
+            so = model.forward_step(torch.tensor([ids], device=device), step, kv, layer)
+            logits.append(so.logits)  # (g, V)
+            disp += [attention_dispersion(pr[:, :, -1], lens[r:r + 1]) for (r, _), pr in zip(group, so.tap_probs)]
+            bar.update(len(ids))
     logits_t, disp_t = torch.cat(logits), torch.cat(disp)  # (B, V), (B,)
     toks, lps, dps = [], [], []
     for i in tqdm(range(max_new), desc="anchors: calibration decode", unit="tok", disable=not progress):
@@ -334,7 +374,7 @@ def serving_calibration(lm, docs: list[Document], cfg: BuildConfig, layer: int, 
     prompts = calibration_prompts(lm, docs, cfg)
     if not prompts:
         raise ValueError("the corpus gives no serving-calibration prompt")
-    sig = serving_signals(lm, prompts, layer, cfg.calibration_tokens, progress)
+    sig = serving_signals(lm, prompts, layer, cfg.calibration_tokens, progress, cfg.batch_tokens)
     n_d3 = int(np.isfinite(sig.d3).sum())
     table = dispersion_length_table(sig.d3, sig.n_attended, min_count=min(32, max(1, n_d3 // 4)),
                                     source="greedy answers to chat-format prompts from the corpus (builder)")
@@ -370,10 +410,13 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     if not 0 <= layer < lm.args.n_layers:
         raise ValueError(f"--layer {layer} is outside 0..{lm.args.n_layers - 1}")
     torch.manual_seed(cfg.seed)
-    col = collect(lm, docs, cfg, layer, progress)
+    t_start = time.perf_counter()
+    col, stats = collect(lm, docs, cfg, layer, progress)
     n = col.hidden.shape[0]
-    labels, cent = cluster(col.hidden, min(cfg.n_anchors, n), cfg.seed, cfg.kmeans_iters, progress)
+    t0 = time.perf_counter()
+    labels, cent = two_level_kmeans(col.hidden, min(cfg.n_anchors, n), cfg.seed, cfg.kmeans_iters, progress)
     counts, mean_sim, rep, nid, npb = _aggregate(col, labels, cent, cfg.top_k_next)
+    t_kmeans = time.perf_counter() - t0
     nonempty = counts > 0
     idx = torch.nonzero(nonempty)[:, 0]
     spread = _spread(col, counts, mean_sim, cfg.seed)
@@ -388,11 +431,17 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         "share_next_prob_below_0.85": float((np.exp(-col.surprisal) < 0.85).mean()),
         "format": CALIBRATION_FORMAT,
     }
+    t0 = time.perf_counter()
     if cfg.calibration_prompts > 0:
         cal.update(serving_calibration(lm, docs, cfg, layer, cal, progress))
     else:
         cal["dispersion_by_length"] = dispersion_length_table(col.d3, col.n_attended,
                                                               source="teacher-forced corpus positions")
+    t_cal = time.perf_counter() - t0
+    seconds = {"model_pass": round(stats.seconds, 2), "kmeans": round(t_kmeans, 2), "calibration": round(t_cal, 2),
+               "total": round(time.perf_counter() - t_start, 2)}
+    _say(f"built in {seconds['total']:.0f} s: model pass {stats.seconds:.0f} s ({stats.ratio:.2f}x its "
+         f"{stats.floor_s:.0f} s floor), k-means {t_kmeans:.0f} s, calibration {t_cal:.0f} s", progress)
     save = (lambda **f: write_version(out_dir, f, command=command)) if versioned else \
         (lambda **f: save_library(out_dir, **f))
     path = save(
@@ -403,7 +452,10 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         span_end=torch.from_numpy(col.span_end[r].astype(np.int64)), span_texts=span_texts,
         doc_ids=[d.doc_id for d in docs], model_fingerprint=lm.fingerprint, model_name=lm.name, layer=layer,
         build={**asdict(cfg), "layer": layer, "n_points": int(n), "n_docs": len(docs),
-               "clustering": "identity" if len(idx) == n else "spherical k-means"},
+               "clustering": "identity" if len(idx) == n else "two-level spherical k-means",
+               "model_pass": {**asdict(stats), "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+                              "threads": torch.get_num_threads()},
+               "seconds": seconds},
         corpus_hash=corpus_hash(docs), calibration=cal,
     )
     log.info("built %d anchors from %d positions into %s", len(idx), n, path)

@@ -19,7 +19,7 @@ see tests/test_anchor_conflicts.py). ``--raw`` uses plain cosine instead.
 - **kNN similarity** of domain anchor d: mean cosine to its ``k`` nearest general anchors;
   flagged when > ``sim`` (0.85).
 - **Centre distance**: 1 - cosine to the nearest of ``n_clusters`` general cluster centres
-  (spherical k-means over the general anchors, ``sfcl.anchors.builder.cluster``, seeded); flagged
+  (spherical k-means over the general anchors, ``sfcl.anchors.kmeans.spherical_kmeans``, seeded); flagged
   when < ``centre_dist`` (0.15; about 3% of the NDA library's general anchors are that close to
   their own centre, centred space, 32 clusters). The seed's 0.3 was for another model's space.
 
@@ -79,7 +79,7 @@ def find_conflicts(lib: AnchorLibrary, cfg: ConflictConfig | None = None, progre
     """Score every domain anchor of ``lib`` against its general anchors (module docstring).
 
     Raises ValueError if the library has no general anchors."""
-    from sfcl.anchors.builder import cluster
+    from sfcl.anchors.kmeans import spherical_kmeans
 
     cfg = cfg or ConflictConfig()
     kinds = lib.kinds.long()
@@ -93,7 +93,7 @@ def find_conflicts(lib: AnchorLibrary, cfg: ConflictConfig | None = None, progre
     g, d = v[gen], v[dom]  # (G, D), (M, D)
     k = min(cfg.k, len(gen))
     sims, near = (d @ g.T).topk(k, dim=1) if len(dom) else (torch.zeros(0, k), torch.zeros(0, k, dtype=torch.long))
-    _, cent = cluster(g.contiguous(), min(cfg.n_clusters, len(gen)), cfg.seed, 10, progress)
+    _, cent = spherical_kmeans(g.contiguous(), min(cfg.n_clusters, len(gen)), cfg.seed, 10, progress)
     cdist = 1.0 - (d @ cent.T).amax(1) if len(dom) else torch.zeros(0)
     knn_sim = sims.double().mean(1).numpy()
     cd = cdist.double().numpy()

@@ -1,10 +1,12 @@
-"""On-disk anchor library (format, save, load, validation) and exact top-k anchor search.
+"""The on-disk anchor library: format, save, load, validation.
 
 Owns: the ``sfcl-anchors`` directory format (version 1), :func:`save_library`,
-:func:`load_library`, :class:`AnchorLibrary` and :class:`AnchorIndex`.
-Callers: the anchor builder (``sfcl anchors build``) writes libraries with :func:`save_library`;
-the server loads one at startup with :func:`load_library` and the snapshotter queries it through
-:class:`AnchorIndex`. Nothing here touches the model or a GPU.
+:func:`load_library_dir`, :class:`AnchorLibrary` and the keyword-boost rules stored in the
+manifest. Layers above it: ``sfcl.anchors.versions`` (version roots; its ``load_library`` is what
+callers open a library with) and ``sfcl.anchors.index`` (the search index the snapshotter queries).
+Callers of the format itself: the anchor builder and the lifecycle commands write through
+``sfcl.anchors.versions.write_version`` or :func:`save_library`. Nothing here touches the model
+or a GPU, and nothing here imports the layers above.
 
 A library is an immutable directory::
 
@@ -19,9 +21,6 @@ A library is an immutable directory::
                          data-file hashes), keyword_boost (rule list, optional, default []),
                          version (lineage record of a versioned write, optional; see
                          ``sfcl.anchors.versions``)
-
-``path`` may also be a versioned library root (``ROOT/CURRENT`` naming ``ROOT/vNNNN``):
-:func:`load_library` then opens the current version (``sfcl.anchors.versions``).
 
 Data lives on the CPU. Loaded tensors are zero-copy views of a private (copy-on-write) memory map
 of ``anchors.safetensors``: treat them as read-only; writing would only dirty process pages, never
@@ -199,7 +198,7 @@ class AnchorLibrary:
 
     def close(self) -> None:
         """Drop this object's references to the mapped tensors (the map is unmapped once no
-        other tensor, e.g. an :class:`AnchorIndex` in float16 mode, still views it). Any later use
+        other tensor, e.g. a ``sfcl.anchors.index.AnchorIndex``, still views it). Any later use
         of the tensor fields fails."""
         for name in _FIELDS:
             setattr(self, name, None)
@@ -334,10 +333,12 @@ def _read_json(path: Path, what: str) -> dict:
     return obj
 
 
-def load_library(path, *, expect_fingerprint: str | None = None,
-                 expect_hidden_size: int | None = None, verify_checksums: bool = True,
-                 expect_model_name: str | None = None) -> AnchorLibrary:
+def load_library_dir(path, *, expect_fingerprint: str | None = None,
+                     expect_hidden_size: int | None = None, verify_checksums: bool = True,
+                     expect_model_name: str | None = None) -> AnchorLibrary:
     """Open and validate the library directory ``path`` (tensors memory-mapped, not copied).
+    A versioned root is opened by ``sfcl.anchors.versions.load_library``, which resolves it to
+    one of these directories.
 
     ``expect_fingerprint``/``expect_hidden_size`` are the serving model's; ``expect_model_name``
     only improves the mismatch message. ``verify_checksums`` hashes both data files (reads them
@@ -346,12 +347,9 @@ def load_library(path, *, expect_fingerprint: str | None = None,
     Raises AnchorLibraryError on: missing directory/files, invalid JSON, other format or
     format_version, sha256 mismatch (damaged or truncated file), unreadable safetensors header,
     missing tensors, dtype/shape inconsistent with the manifest (N, D, K), span lists of the
-    wrong length, model fingerprint mismatch, hidden size mismatch, invalid keyword_boost, a
-    version root whose CURRENT pointer is damaged.
+    wrong length, model fingerprint mismatch, hidden size mismatch, invalid keyword_boost.
     """
-    from sfcl.anchors.versions import resolve_library_dir
-
-    path = resolve_library_dir(Path(path))
+    path = Path(path)
     if not path.is_dir():
         raise AnchorLibraryError(f"anchor library directory {path} does not exist; build one "
                                  "with `sfcl anchors build` or fix the configured path")
@@ -424,73 +422,3 @@ def load_library(path, *, expect_fingerprint: str | None = None,
         raise AnchorLibraryError(f"{mf_path}: invalid keyword_boost ({e}); fix the rules with "
                                  "`sfcl anchors boost`") from e
     return AnchorLibrary(path=path, manifest=m, span_texts=texts, doc_ids=docs, **tensors)
-
-
-class AnchorIndex:
-    """Exact inner-product (cosine) top-k search over a library's unit vectors (CPU).
-
-    Keeps a dense search copy of the vectors in ``dtype``: float32 costs N*D*4 bytes (75.5 MiB
-    for N=32768, D=576), bfloat16 N*D*2 (37.7 MiB); float16 reuses the memory-mapped library
-    tensor (no extra copy). 16-bit modes keep the library's mapped vectors alive (re-scoring);
-    float32 mode holds no reference to the map. With a 16-bit copy the candidate list
-    (max(4k, k+16)) is re-scored in float32 against the stored float16 vectors, so returned scores
-    and their order are exact for the stored vectors; only a true top-k item ranked below the
-    candidate cut by rounding could be missed. With float32 the search is exact outright.
-
-    int8_rows: with a 16-bit copy, batches of at most this many queries pick their candidates
-    from an int8 copy instead (N*D bytes more, plus N float scales: symmetric per-anchor scale
-    ``max|v| / 127``), through torch's weight-only int8 kernel ``torch._weight_int8pack_mm``; the
-    candidates are re-scored in float32 the same way. The search is memory-bound, so reading half
-    the bytes halves it: 0.54 vs 2.1 ms for one query over 32,768 x 576 anchors on one thread of
-    this project's CPU; above about 4 rows the bf16 GEMM wins again. 0 turns it off; so does a
-    hidden size D that is not a multiple of 16 (the kernel's bf16 path crashes on those). The
-    int8 pass keeps max(16k, k + 48) candidates, deeper than the bf16 pass (int8 rounds coarser).
-    Measured top-3 misses against float32: 400 held-out NDA hidden states on the 32,768- and
-    2,048-anchor libraries, 0 (5 of 1,200 at the bf16 depth); 200 queries into 8 synthetic tight
-    clusters, 36 of 600 (bf16 pass: 74).
-    """
-
-    def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, int8_rows: int = 0):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        if int8_rows < 0:
-            raise ValueError(f"int8_rows must be >= 0, got {int8_rows}")
-        self.dtype = dtype
-        self.stored = None if dtype == torch.float32 else lib.vectors  # f16, for re-scoring
-        self.vectors = lib.vectors if dtype == torch.float16 else lib.vectors.to(dtype)
-        self.n, self.dim = (int(s) for s in self.vectors.shape)
-        # torch._weight_int8pack_mm with bf16 input reads past the row end (segfault) unless D % 16 == 0
-        self.int8_rows = int8_rows if dtype != torch.float32 and self.n and self.dim % 16 == 0 else 0
-        if self.int8_rows:
-            v = lib.vectors.float()  # (N, D)
-            scale = v.abs().amax(dim=1).clamp_min(1e-12) / 127  # (N,)
-            self.int8 = torch.round(v / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, D)
-            self.int8_scale = scale.to(torch.bfloat16)  # (N,)
-
-    def search(self, queries: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k anchors by cosine similarity for each query.
-
-        queries: (B, D), any float dtype, any (non-zero) norm; normalised here. Zero queries score
-        0. Returns (scores (B, k') float32, ids (B, k') int64), best first, k' = min(k, N).
-        Raises ValueError if queries are not 2-D with D = library hidden size, or k < 1.
-        """
-        if queries.dim() != 2 or queries.shape[1] != self.dim:
-            raise ValueError(f"queries must have shape (B, {self.dim}), got {tuple(queries.shape)}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        k = min(k, self.n)
-        q = queries.detach().to("cpu", torch.float32)
-        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        if self.dtype == torch.float32:
-            scores, ids = torch.topk(q @ self.vectors.T, k, dim=1)
-            return scores, ids
-        if 0 < q.shape[0] <= self.int8_rows:
-            c = min(self.n, max(16 * k, k + 48))  # int8 rounds coarser than bf16: a deeper candidate list
-            approx = torch._weight_int8pack_mm(q.to(torch.bfloat16).contiguous(), self.int8, self.int8_scale)  # (B, N)
-        else:
-            c = min(self.n, max(4 * k, k + 16))
-            approx = q.to(self.dtype) @ self.vectors.T  # (B, N)
-        _, cand = torch.topk(approx, c, dim=1)  # (B, c)
-        exact = torch.bmm(self.stored[cand].float(), q.unsqueeze(2)).squeeze(2)  # (B, c)
-        scores, pos = torch.topk(exact, k, dim=1)
-        return scores, torch.gather(cand, 1, pos)

@@ -1,9 +1,11 @@
 """Immutable anchor-library versions under a library root, and the field plumbing every write uses.
 
-Owns the version layout, :func:`write_version` (the one way the lifecycle commands and
-``sfcl anchors build`` write a library), :func:`resolve_library_dir` (called by
-``sfcl.anchors.store.load_library``) and :func:`list_versions`, behind ``sfcl anchors versions``
-and ``sfcl anchors boost`` (``sfcl.cli.anchors``). Data lives on the CPU; nothing here touches the model.
+Owns the version layout, :func:`load_library` (how every caller opens a library: a root, one of
+its versions or a plain directory), :func:`write_version` (the one way the lifecycle commands and
+``sfcl anchors build`` write a library), :func:`resolve_library_dir`, :func:`list_versions` and
+:func:`describe_command`, behind ``sfcl anchors versions`` and ``sfcl anchors boost`` (``sfcl.cli.anchors``). It sits above the file format
+(``sfcl.anchors.store``), which knows nothing of versions. Data lives on the CPU; nothing here
+touches the model.
 
 Layout::
 
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 from sfcl.anchors.store import (KIND_NAMES, MANIFEST_FILE, AnchorLibrary, AnchorLibraryError,
-                                parse_keyword_boost, save_library)
+                                load_library_dir, parse_keyword_boost, save_library)
 
 CURRENT_FILE = "CURRENT"
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
@@ -86,6 +88,17 @@ def resolve_library_dir(path) -> Path:
         if versions:
             return versions[-1][1]
     return p
+
+
+def load_library(path, *, expect_fingerprint: str | None = None, expect_hidden_size: int | None = None,
+                 verify_checksums: bool = True, expect_model_name: str | None = None) -> AnchorLibrary:
+    """Open the library ``path`` stands for (:func:`resolve_library_dir`: CURRENT's version of a
+    root, else ``path``) with ``sfcl.anchors.store.load_library_dir`` and its checks (the keyword
+    arguments are its own). Raises AnchorLibraryError for a damaged CURRENT pointer and for
+    everything ``load_library_dir`` rejects."""
+    return load_library_dir(resolve_library_dir(Path(path)), expect_fingerprint=expect_fingerprint,
+                            expect_hidden_size=expect_hidden_size, verify_checksums=verify_checksums,
+                            expect_model_name=expect_model_name)
 
 
 def set_current(root, name: str) -> None:

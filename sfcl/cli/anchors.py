@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
     b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")
     b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
     b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
-    b.add_argument("--window-tokens", type=int, default=1024, help="tokens per model pass")
+    b.add_argument("--window-tokens", type=int, default=1024,
+                   help="tokens per window (a position attends to the earlier tokens of its window)")
+    b.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward: windows are batched up to this")
     b.add_argument("--max-points", type=int, default=None, help="stop after this many token positions")
     b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     add_model_flags(b)
@@ -48,14 +50,14 @@ def add_parser(sub) -> None:
 def cmd_anchors_build(a: argparse.Namespace) -> int:
     from sfcl.anchors.builder import BuildConfig, build_library
     from sfcl.anchors.corpus import read_corpus
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     docs = read_corpus(a.corpus)
     if a.max_docs:
         docs = docs[: a.max_docs]
     lm = load_model_flags(a)
     cfg = BuildConfig(n_anchors=a.n_anchors, layer=a.layer, seed=a.seed, window_tokens=a.window_tokens,
-                      max_points=a.max_points)
+                      batch_tokens=a.batch_tokens, max_points=a.max_points)
     path = build_library(lm, docs, a.out, cfg, versioned=True, command=describe_command(a))
     lib = load_library(path)
     print(f"[ANCHOR] built {lib.n_anchors} anchors from {len(docs)} documents "
@@ -75,7 +77,8 @@ def cmd_versions(a: argparse.Namespace) -> int:
 
 
 def cmd_boost(a: argparse.Namespace) -> int:
-    from sfcl.anchors.store import load_library, parse_keyword_boost
+    from sfcl.anchors.store import parse_keyword_boost
+    from sfcl.anchors.versions import load_library
     from sfcl.anchors.versions import library_fields, write_version
 
     try:

@@ -127,7 +127,7 @@ def _write_report(out_dir, rep: dict, text: str, report_file: str, summary_file:
 
 def cmd_audit(a: argparse.Namespace) -> int:
     from sfcl.anchors.audit import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, audit_library, summary_text, write_report
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     lib = load_library(a.lib)
     cfg = _audit_config(a)
@@ -141,7 +141,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
 def cmd_prune(a: argparse.Namespace) -> int:
     from sfcl.anchors.audit import audit_library, flagged_from_report
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     if not a.flagged:
         raise ValueError("say what to prune: --flagged (the anchors an audit flags)")
@@ -157,7 +157,7 @@ def cmd_prune(a: argparse.Namespace) -> int:
 
 def cmd_inject(a: argparse.Namespace) -> int:
     from sfcl.anchors.inject import inject, read_clauses
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
     from sfcl.anchors.versions import write_version
 
     clauses = read_clauses(a.clauses)
@@ -178,7 +178,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
 
 def cmd_conflicts(a: argparse.Namespace) -> int:
     from sfcl.anchors.conflicts import REPORT_FILE, SUMMARY_FILE, ConflictConfig, find_conflicts, report
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     if a.drop and not a.out:
         raise ValueError("--drop writes a new version: give --out ROOT")
@@ -199,7 +199,7 @@ def cmd_conflicts(a: argparse.Namespace) -> int:
 
 def cmd_health(a: argparse.Namespace) -> int:
     from sfcl.anchors.health import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, HealthConfig, health, plot_drift, summary_text
-    from sfcl.anchors.store import load_library
+    from sfcl.anchors.versions import load_library
 
     cfg = HealthConfig(n_axes=a.n_axes, max_drift=a.max_drift, min_count=a.min_count)
     old, new = load_library(a.old), load_library(a.new)

@@ -1,15 +1,17 @@
 """Anchor search on the model's device, for the fused lookup (one host transfer per step).
 
-``sfcl.anchors.store.AnchorIndex`` searches on the CPU, which needs the looked-up rows' hidden
+``sfcl.anchors.index.AnchorIndex`` searches on the CPU, which needs the looked-up rows' hidden
 states on the host first: a second device->host transfer in a step whose packed results already
 went over. On a GPU it is cheaper to search *every* sampled row on the device (a (N, H) x (H, A)
 matmul is nothing next to the forward) and send the top-k ids, scores and confidences along with
 the step's other per-row results; the host keeps only the rows whose trigger fired
 (``sfcl.engine.fused_lookup``).
 
-The algorithm mirrors ``AnchorIndex.search`` exactly so both paths return the same anchors: with
-a 16-bit search copy, candidates max(4k, k + 16) by a 16-bit matmul, re-scored in float32 against
-the stored float16 vectors; with float32, exact outright. Confidences are
+The algorithm mirrors ``AnchorIndex``'s dense search exactly so both paths return the same
+anchors: with a 16-bit search copy, candidates max(4k, k + 16) by a 16-bit matmul, re-scored in
+float32 against the stored float16 vectors; with float32, exact outright. (A CPU ``AnchorIndex``
+over a large library may use IVF candidates instead; the snapshotter builds a dense one wherever
+the fused lookup is the default, on CUDA.) Confidences are
 ``sfcl.snapshot.snapshotter.anchor_confidence_each`` of the library's weights and decays.
 
 Memory on the device: the search copy (N x D x 2 bytes in bf16) plus the stored float16 vectors
@@ -37,9 +39,10 @@ class DeviceAnchorIndex:
         if index.n >= MAX_EXACT_ID:
             raise ValueError(f"fused lookup supports fewer than {MAX_EXACT_ID} anchors, library has {index.n}")
         self.dtype, self.n, self.dim = index.dtype, index.n, index.dim
-        self.vectors = index.vectors.to(self.device)  # (N, D) search copy; no copy on the CPU
-        self.stored = None if index.stored is None else (
-            self.vectors if index.stored is index.vectors else index.stored.to(self.device))  # (N, D) f16
+        dense = index.vectors if index.vectors is not None else index.stored.to(index.dtype)  # an IVF index has none
+        self.vectors = dense.to(self.device)  # (N, D) search copy; no copy on the CPU
+        self.stored = None if self.dtype == torch.float32 else (  # (N, D) f16 for re-scoring 16-bit candidates
+            self.vectors if index.stored is dense else index.stored.to(self.device))
         self.weights = weights.to(self.device, torch.float32)  # (N,)
         self.decay = decay.to(self.device, torch.float32)  # (N,)
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sfcl.anchors.store import AnchorIndex, AnchorLibrary
+from sfcl.anchors.index import AnchorIndex
+from sfcl.anchors.store import AnchorLibrary
 from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
 from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
@@ -114,23 +115,23 @@ class Snapshotter:
     keyword_boost: extra rules (e.g. from ``--keyword-boost``) added to the library's own.
     steer: kNN-LM settings. context_weight / context_decay: weight and decay of context anchors in
     ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
-    typical cluster member gets confidence 0.5). search_int8_rows: on a CPU model, lookups of at
-    most this many rows pick candidates from an int8 copy of the library (``AnchorIndex``,
-    int8_rows). search_dtype: the dense search copy (default ``fast_float_dtype()``: bf16 on CPUs
-    with native bf16, float32 elsewhere).
+    typical cluster member gets confidence 0.5). approximate_search: on a CPU model, large
+    libraries are searched through an IVF index (``sfcl.anchors.index.AnchorIndex``,
+    approximate). search_dtype: the dense search copy (default ``fast_float_dtype()``: bf16 on
+    CPUs with native bf16, float32 elsewhere).
     Raises ValueError for incomplete calibration or bad rules.
     """
 
     def __init__(self, library: AnchorLibrary, class_table: torch.Tensor, cfg: TriggerConfig | None = None,
                  top_k: int = 3, search_dtype: torch.dtype | None = None,
                  keyword_boost: list[KeywordRule] | None = None, steer: SteerConfig | None = None,
-                 context_weight: float = 1.0, context_decay: float | None = None, search_int8_rows: int = 4):
+                 context_weight: float = 1.0, context_decay: float | None = None, approximate_search: bool = True):
         self.lib = library
         self.cfg = cfg or TriggerConfig()
         self.cal = Calibration.from_dict(library.calibration)
-        # on CUDA the fused lookup searches on the device (DeviceAnchorIndex): no int8 CPU copy to build
+        # on CUDA the fused lookup searches on the device (DeviceAnchorIndex, dense): no IVF to build
         self.index = AnchorIndex(library, dtype=search_dtype or fast_float_dtype(),
-                                 int8_rows=search_int8_rows if class_table.device.type == "cpu" else 0)
+                                 approximate=approximate_search and class_table.device.type == "cpu")
         self.class_table = class_table  # (V,) uint8, on the model's device
         self.enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=class_table.device)  # (3,)
         self.top_k = top_k

@@ -1,0 +1,155 @@
+"""Nearest-anchor search over a library's unit vectors, on the CPU: the snapshot lookup.
+
+Owns :class:`AnchorIndex`. Built by ``sfcl.snapshot.snapshotter.Snapshotter`` once per library
+version (at server start and at each reload) from an ``sfcl.anchors.store.AnchorLibrary``; the
+snapshot lookup calls :meth:`AnchorIndex.search` for the rows whose trigger fired, on the runner's
+lookup thread (one torch thread) or on the engine thread. ``sfcl.snapshot.device_search`` mirrors
+the dense search on a GPU. The index lives in process memory and is rebuilt at every load: it is
+not part of the library format (see "Build" below for what that costs).
+
+Two ways to find candidates, one way to score them:
+
+- **dense** (libraries under ``IVF_MIN_ANCHORS`` anchors, and every index built with
+  ``approximate=False``): one matmul of the queries against a search copy of all vectors. A
+  float32 copy is exact outright; a 16-bit copy (bfloat16 / float16) picks ``max(4k, k + 16)``
+  candidates.
+- **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): a faiss
+  ``IndexIVFFlat`` (inverted file over ``nlist`` k-means cells, inner product; Jégou et al.,
+  "Product quantization for nearest neighbor search", TPAMI 2011, section on the inverted file)
+  scans the ``nprobe`` cells nearest to each query and returns ``max(4k, k + 16)`` candidates.
+
+Every candidate list is re-scored in float32 against the library's stored float16 vectors, so the
+returned scores and their order are exact for the stored vectors; what an approximate pass can do
+is miss a true top-k anchor. A row whose candidate list comes back short (fewer anchors in its
+cells than asked for) or whose query is not finite is searched exactly over all anchors instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from sfcl.anchors.store import AnchorLibrary
+
+IVF_MIN_ANCHORS = 4096  # below this a dense scan is about as fast as a cell scan: no index to build
+IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
+IVF_NPROBE = 24  # cells scanned per query
+IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
+EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
+
+
+def candidates(k: int, n: int) -> int:
+    """Candidates re-scored per query for a top-``k`` search over ``n`` anchors."""
+    return min(n, max(4 * k, k + 16))
+
+
+class AnchorIndex:
+    """Top-k inner-product (cosine) search over ``lib``'s unit vectors (module docstring).
+
+    dtype: the dense search copy: float32 (N*D*4 bytes; 75.5 MiB for N = 32,768, D = 576),
+    bfloat16 (half that) or float16 (the memory-mapped library tensor itself, no copy); the
+    default ``fast_float_dtype()`` of the caller picks what this CPU multiplies fastest.
+    approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
+    index then holds the IVF (N*D*4 bytes of float32 cell lists plus ``nlist`` centroids) and no
+    dense copy. nprobe: cells scanned per query (default ``IVF_NPROBE``). Building the IVF trains
+    the cell centroids (faiss k-means, seeded: the same library gives the same cells on one
+    machine) and takes ``build_s`` seconds. Raises ValueError for another dtype or nprobe < 1.
+    """
+
+    def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, approximate: bool = False,
+                 nprobe: int | None = None, seed: int = 0):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        if nprobe is not None and nprobe < 1:
+            raise ValueError(f"nprobe must be >= 1, got {nprobe}")
+        t0 = time.perf_counter()
+        self.stored = lib.vectors  # (N, D) float16, memory-mapped: what every score is computed against
+        self.n, self.dim = (int(s) for s in self.stored.shape)
+        self.dtype = dtype
+        self.kind = "ivf" if approximate and self.n >= IVF_MIN_ANCHORS else "dense"
+        self.vectors = None  # (N, D) dense search copy (dense kind only)
+        self.ivf = None
+        if self.kind == "dense":
+            self.vectors = self.stored if dtype == torch.float16 else self.stored.to(dtype)
+        else:
+            self.ivf = _build_ivf(self.stored.float().numpy(), seed)
+            self.ivf.nprobe = min(nprobe or IVF_NPROBE, self.ivf.nlist)
+        self.build_s = time.perf_counter() - t0
+
+    @property
+    def nprobe(self) -> int:
+        """Cells scanned per query (0 for a dense index)."""
+        return int(self.ivf.nprobe) if self.ivf is not None else 0
+
+    def memory_bytes(self) -> int:
+        """Bytes this index holds beyond the library's mapped vectors."""
+        if self.ivf is not None:
+            return int(self.n * self.dim * 4 + self.ivf.nlist * self.dim * 4 + self.n * 8)
+        return 0 if self.vectors is self.stored else self.vectors.numel() * self.vectors.element_size()
+
+    def search(self, queries: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k anchors by cosine similarity for each query.
+
+        queries: (B, D), any float dtype, any (non-zero) norm; normalised here. Zero queries score
+        0. Returns (scores (B, k') float32, ids (B, k') int64), best first, k' = min(k, N).
+        Raises ValueError if queries are not 2-D with D = library hidden size, or k < 1.
+        """
+        if queries.dim() != 2 or queries.shape[1] != self.dim:
+            raise ValueError(f"queries must have shape (B, {self.dim}), got {tuple(queries.shape)}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        k = min(k, self.n)
+        q = queries.detach().to("cpu", torch.float32)
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)  # (B, D)
+        if self.kind == "dense" and self.dtype == torch.float32:
+            return torch.topk(q @ self.vectors.T, k, dim=1)
+        c = candidates(k, self.n)
+        if self.kind == "dense":
+            _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, c, dim=1)  # (B, c)
+            return _rescore(self.stored, q, cand, k)
+        import faiss
+
+        faiss.omp_set_num_threads(1)  # this thread's OpenMP team in faiss: the cores belong to the engine
+        _, cand = self.ivf.search(np.ascontiguousarray(q.numpy()), c)  # (B, c) int64, -1 where a row ran short
+        cand = torch.from_numpy(cand)
+        short = (cand < 0).any(1) | ~torch.isfinite(q).all(1)  # (B,)
+        if not bool(short.any()):
+            return _rescore(self.stored, q, cand, k)
+        scores, ids = torch.empty(q.shape[0], k), torch.empty(q.shape[0], k, dtype=torch.int64)
+        ok = ~short
+        if bool(ok.any()):
+            scores[ok], ids[ok] = _rescore(self.stored, q[ok], cand[ok], k)
+        scores[short], ids[short] = _exact(self.stored, q[short], k)
+        return scores, ids
+
+
+def _rescore(stored: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-score candidates ``cand`` (B, c) int64 in float32 against ``stored`` (N, D) float16 for
+    unit queries ``q`` (B, D); returns the k best (scores (B, k) float32, ids (B, k) int64)."""
+    exact = torch.bmm(stored[cand].float(), q.unsqueeze(2)).squeeze(2)  # (B, c)
+    scores, pos = torch.topk(exact, k, dim=1)
+    return scores, torch.gather(cand, 1, pos)
+
+
+def _exact(stored: torch.Tensor, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k over all anchors in float32 blocks of ``EXACT_CHUNK`` (the fallback)."""
+    sims = torch.cat([q @ stored[s : s + EXACT_CHUNK].float().T for s in range(0, stored.shape[0], EXACT_CHUNK)], 1)
+    return torch.topk(sims, k, dim=1)  # (B, N) -> (B, k)
+
+
+def _build_ivf(x: np.ndarray, seed: int):
+    """faiss ``IndexIVFFlat`` (inner product) over unit rows ``x`` (N, D) float32, nlist =
+    N / ``IVF_LIST_SIZE`` cells trained by faiss k-means (``IVF_TRAIN_ITERS`` iterations, seeded)."""
+    import faiss
+
+    n, d = x.shape
+    nlist = max(1, n // IVF_LIST_SIZE)
+    quantizer = faiss.IndexFlatIP(d)
+    ivf = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+    ivf.cp.niter, ivf.cp.seed, ivf.cp.spherical = IVF_TRAIN_ITERS, seed, True
+    ivf.cp.min_points_per_centroid = 1  # N / nlist = IVF_LIST_SIZE points per cell by design: no warning
+    ivf.train(x)
+    ivf.add(x)
+    return ivf

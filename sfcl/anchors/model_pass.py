@@ -1,0 +1,140 @@
+"""The anchor builder's model pass: the serving model over corpus windows, computing only what a
+library keeps.
+
+Owns :func:`run_windows` (called by ``sfcl.anchors.builder.collect``), the FLOP model of a pass
+(:func:`flops_per_token`) and the GEMM-rate probe the build's floor is measured against
+(:func:`gemm_rate`). Data lives on the model's device; results come back as CPU tensors.
+
+For every position i of a window except the last (which has no next token in the window) a pass
+returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers:
+
+- the residual-stream hidden state after the snapshot layer (what the runner taps when serving);
+- the top-K next tokens and their probabilities, and the surprisal of the token that actually
+  followed: the logits are made ``LOGIT_ROWS`` rows at a time and reduced at once (top-K of the
+  logits, one logsumexp per row), so no (T, V) float32 log-softmax is ever materialised;
+- the normalised attention entropy (dispersion) of query i at the snapshot layer
+  (``sfcl.snapshot.triggers.attention_dispersion``, the serving rule), for every position.
+
+Windows are packed into batches of at most ``batch_tokens`` tokens: every linear layer runs once
+over the whole batch, attention runs per window (causal SDPA; eager softmax at the snapshot
+layer, whose weights the dispersion needs). A window is one causal pass from position 0, so no
+KV cache is involved. Everything runs in the model's dtype (``--dtype auto``: fp32 on AVX2-only
+CPUs, bf16 where native), logits reductions in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sfcl.model.hardware import gemm_gflops
+from sfcl.snapshot.triggers import attention_dispersion
+
+LOGIT_ROWS = 128  # rows of logits made and reduced at once: (128, V) float32 = 25 MB for V = 49,152
+RATE_SHAPE = (1024, 576, 1536)  # (M, K, N) of the GEMM-rate probe: a window through an MLP projection
+
+
+@dataclass(slots=True)
+class WindowOut:
+    """What one window of T tokens yields (CPU tensors)."""
+
+    hidden: torch.Tensor  # (T-1, H) float32 tap hidden state of positions 0..T-2 (not normalised)
+    top_ids: torch.Tensor  # (T-1, K) int64 most likely next tokens, best first
+    top_probs: torch.Tensor  # (T-1, K) float32 their probabilities
+    surprisal: torch.Tensor  # (T-1,) float32 -log p(token i+1), nats
+    dispersion: torch.Tensor  # (T,) float32 snapshot-layer dispersion of queries 0..T-1
+
+
+def flops_per_token(args, mean_attended: float) -> float:
+    """Model FLOP per token of a causal pass: 2 x the weights of every matmul (q/k/v, o, gate/up,
+    down per layer; the LM head) plus attention, 4 x heads x head_dim x attended positions per
+    layer (scores and weighted values). ``mean_attended``: mean attended length over the tokens
+    ((T + 1) / 2 for a window of T). Embedding lookups and norms are not counted."""
+    a = args
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    per_layer = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    weights = a.n_layers * per_layer + a.hidden_size * a.vocab_size
+    return 2.0 * weights + 4.0 * a.n_layers * q * mean_attended
+
+
+def gemm_rate(dtype: torch.dtype) -> float:
+    """GFLOP/s of a window-sized GEMM (``RATE_SHAPE``) in ``dtype`` on the calling thread's torch
+    threads (``sfcl.model.hardware.gemm_gflops``, best of ~0.25 s of calls)."""
+    return gemm_gflops(dtype, RATE_SHAPE, budget_s=0.25)
+
+
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_dispersion: bool):
+    """Causal attention of one window from position 0. q (1, nh, T, hd), k/v (1, nkv, T, hd).
+    Returns o (T, nh hd) and, with ``want_dispersion``, the dispersion (T,) float32 of every
+    query (eager softmax in float32, as ``Attention.prefill_attn`` does for "all")."""
+    T = q.shape[2]
+    if not want_dispersion:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (1, nh, T, hd)
+        return o[0].transpose(0, 1).reshape(T, -1), None
+    a = attn.a
+    nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    g = nh // nkv
+    qg = q.reshape(1, nkv, g * T, hd)  # heads of a group share K
+    s = torch.matmul(qg, k.transpose(-1, -2)).view(1, nkv, g, T, T) * attn.scale  # (1, nkv, g, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    p = s.float().masked_fill(~causal, float("-inf")).softmax(-1)  # (1, nkv, g, T, T) fp32
+    o = torch.matmul(p.to(v.dtype).view(1, nkv, g * T, T), v).view(nh, T, hd)  # (nh, T, hd)
+    disp = attention_dispersion(p.view(nh, T, T).transpose(0, 1), torch.arange(1, T + 1, device=q.device))  # (T,)
+    return o.transpose(0, 1).reshape(T, nh * hd), disp
+
+
+@torch.inference_mode()
+def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> list[WindowOut]:
+    """One forward over ``windows`` (token id lists, each of >= 2 tokens, each starting at
+    position 0) through ``model`` (``sfcl.model.llama.LlamaModel``); returns one
+    :class:`WindowOut` per window, in order. The caller sizes the batch (total tokens).
+    Raises ValueError for a window shorter than 2 tokens or top_k < 1."""
+    if any(len(w) < 2 for w in windows) or top_k < 1:
+        raise ValueError("every window needs >= 2 tokens and top_k must be >= 1")
+    dev = model.embed_tokens.weight.device
+    lens = [len(w) for w in windows]
+    ids = torch.tensor([t for w in windows for t in w], device=dev)  # (N,)
+    pos = torch.cat([torch.arange(n, device=dev) for n in lens])  # (N,)
+    h = model.embed_tokens(ids)[None]  # (1, N, H)
+    cos, sin = model.rope(pos, h.dtype)  # (N, 1, hd)
+    cos, sin = cos[None], sin[None]  # (1, N, 1, hd)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    tap = disp = None
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(h), cos, sin)  # (1, N, heads, hd)
+        outs, disps = [], []
+        for a, b in zip(starts[:-1], starts[1:]):
+            o, d = _attend(attn, q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2),
+                           i == tap_layer)
+            outs.append(o)  # (T, nh hd)
+            disps.append(d)
+        h = h + attn.o_proj(torch.cat(outs)[None])  # (1, N, H)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if i == tap_layer:
+            tap, disp = h[0], disps  # (N, H)
+    # rows with a next token inside their window: all but each window's last position
+    rows = torch.cat([torch.arange(a, b - 1, device=dev) for a, b in zip(starts[:-1], starts[1:])])  # (R,)
+    nxt = ids[rows + 1]  # (R,)
+    top_p, top_i, sur = [], [], []
+    for c in range(0, rows.shape[0], LOGIT_ROWS):
+        r = rows[c : c + LOGIT_ROWS]
+        logits = model.lm_head(model.norm(h[0, r])).float()  # (c, V)
+        lse = torch.logsumexp(logits, -1)  # (c,)
+        tv, ti = logits.topk(top_k, dim=-1)  # (c, K)
+        top_p.append((tv - lse[:, None]).exp())
+        top_i.append(ti)
+        sur.append(lse - logits.gather(1, nxt[c : c + LOGIT_ROWS, None])[:, 0])
+    hid = tap[rows].float().cpu()  # (R, H)
+    top_p, top_i, sur = torch.cat(top_p).cpu(), torch.cat(top_i).cpu(), torch.cat(sur).cpu()
+    out, r0 = [], 0
+    for n, d in zip(lens, disp):
+        r1 = r0 + n - 1
+        out.append(WindowOut(hidden=hid[r0:r1], top_ids=top_i[r0:r1], top_probs=top_p[r0:r1],
+                             surprisal=sur[r0:r1], dispersion=d.float().cpu()))
+        r0 = r1
+    return out

@@ -1,0 +1,165 @@
+"""sfcl.anchors.index.AnchorIndex: dense and IVF top-k search, the exact re-scoring contract, the
+exact fallback of short candidate lists, input handling."""
+
+import numpy as np
+import pytest
+import torch
+
+from sfcl.anchors.index import IVF_MIN_ANCHORS, AnchorIndex
+from sfcl.anchors.store import load_library_dir
+
+from test_anchor_store import make_arrays, save
+
+
+def _lib(tmp_path, n, d, vectors=None, seed=0):
+    a = make_arrays(n=n, d=d, seed=seed)
+    if vectors is not None:
+        a["vectors"] = vectors
+    return load_library_dir(save(tmp_path / f"lib-{n}-{d}-{seed}", a))
+
+
+def _clustered(n, d, n_centres=300, noise=0.35, seed=0):
+    """Unit vectors around random centres: structure like a library of k-means anchors."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.nn.functional.normalize(torch.randn(n_centres, d, generator=g), dim=-1)
+    return torch.nn.functional.normalize(c[torch.randint(0, n_centres, (n,), generator=g)]
+                                         + noise * torch.randn(n, d, generator=g) / d ** 0.5, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A library just above IVF_MIN_ANCHORS (IVF-searched with approximate=True) and its exact index."""
+    n, d = IVF_MIN_ANCHORS + 904, 32
+    lib = _lib(tmp_path_factory.mktemp("big"), n, d, vectors=_clustered(n, d))
+    return lib, AnchorIndex(lib)
+
+
+def _brute(vectors16: torch.Tensor, q: np.ndarray, k: int):
+    v = vectors16.float().numpy().astype(np.float64)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    s = qn @ v.T
+    ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(s, ids, 1), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 3, 10, 500])
+def test_dense_search_matches_brute_force(tmp_path, dtype, k):
+    n, d = 300, 32
+    lib = _lib(tmp_path, n, d, seed=1)
+    index = AnchorIndex(lib, dtype=dtype, approximate=True)  # below IVF_MIN_ANCHORS: dense anyway
+    assert index.kind == "dense" and index.nprobe == 0
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(9, d)) * rng.uniform(0.01, 50, size=(9, 1))  # unnormalised
+    scores, ids = index.search(torch.from_numpy(q).to(torch.float64), k=k)
+    kk = min(k, n)
+    assert scores.shape == (9, kk) and ids.shape == (9, kk)
+    assert scores.dtype == torch.float32 and ids.dtype == torch.int64
+    ref_s, ref_ids = _brute(lib.vectors, q, kk)
+    np.testing.assert_allclose(scores.numpy(), ref_s, atol=1e-5)
+    assert (np.diff(scores.numpy(), axis=1) <= 1e-7).all()  # best first
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    own = np.take_along_axis(qn @ lib.vectors.float().numpy().T, ids.numpy(), 1)
+    np.testing.assert_allclose(own, ref_s, atol=1e-5)  # returned ids really have those scores
+    assert (ids.numpy()[:, 0] == ref_ids[:, 0]).all()
+    if kk == n:
+        assert all(sorted(row) == list(range(n)) for row in ids.tolist())
+
+
+def test_ivf_recall_and_exact_scores(big):
+    lib, exact = big
+    ivf = AnchorIndex(lib, approximate=True)
+    assert ivf.kind == "ivf" and ivf.vectors is None and ivf.nprobe >= 1 and ivf.memory_bytes() > 0
+    g = torch.Generator().manual_seed(1)
+    near = lib.vectors[torch.randint(0, lib.n_anchors, (200,), generator=g)].float()
+    q = near + 0.3 * torch.randn(near.shape, generator=g) / near.shape[1] ** 0.5
+    s_ref, i_ref = exact.search(q, 3)
+    s, i = ivf.search(q, 3)
+    recall = np.mean([len(set(a) & set(b)) / 3 for a, b in zip(i.tolist(), i_ref.tolist())])
+    assert recall >= 0.95
+    # every returned score is the float32 score of the stored float16 vector, best first
+    qn = torch.nn.functional.normalize(q, dim=-1)
+    own = torch.bmm(lib.vectors[i].float(), qn[:, :, None])[:, :, 0]
+    assert torch.equal(s, own) and (s[:, :-1] >= s[:, 1:]).all()
+    hit = (i == i_ref).all(1)
+    torch.testing.assert_close(s[hit], s_ref[hit], atol=1e-6, rtol=0)
+
+
+def test_ivf_short_candidate_lists_fall_back_to_exact(big):
+    """nprobe 1 and k = 300: the one scanned cell holds fewer than the 1,200 candidates asked for,
+    so every row is searched exactly; results equal the exact index."""
+    lib, exact = big
+    ivf = AnchorIndex(lib, approximate=True, nprobe=1)
+    q = torch.randn(5, lib.hidden_size, generator=torch.Generator().manual_seed(2))
+    s_ref, i_ref = exact.search(q, 300)
+    s, i = ivf.search(q, 300)
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float64])
+def test_ivf_query_dtypes_norms_and_non_finite(big, dt):
+    lib, exact = big
+    ivf = AnchorIndex(lib, approximate=True)
+    q = lib.vectors[:4].float() + 0.01
+    for scale in (1.0, 1e-20, 1e15):
+        qq = (q * scale).to(dt)
+        s_ref, i_ref = exact.search(qq, 3)
+        s, ids = ivf.search(qq, 3)
+        torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0, equal_nan=True)  # fp16 * 1e15: inf -> NaN both
+        assert torch.equal(ids, i_ref) or not bool(s_ref.abs().sum() > 0)
+
+
+def test_ivf_zero_and_non_contiguous_queries(big):
+    lib, exact = big
+    ivf = AnchorIndex(lib, approximate=True)
+    s, ids = ivf.search(torch.zeros(2, lib.hidden_size), 3)
+    assert torch.equal(s, torch.zeros(2, 3)) and ((ids >= 0) & (ids < lib.n_anchors)).all()
+    q = lib.vectors[:3].float().T.contiguous().T  # (3, D) with stride (1, 3)
+    assert not q.is_contiguous()
+    assert torch.equal(ivf.search(q, 3)[1], exact.search(q, 3)[1])
+
+
+def test_ivf_is_deterministic_per_library(big):
+    lib, _ = big
+    q = torch.randn(50, lib.hidden_size, generator=torch.Generator().manual_seed(3))
+    a, b = AnchorIndex(lib, approximate=True), AnchorIndex(lib, approximate=True)
+    assert torch.equal(a.search(q, 5)[1], b.search(q, 5)[1])
+
+
+def test_ties_and_duplicate_anchors(tmp_path):
+    """Identical anchors (ties): same scores as exact, no anchor returned twice."""
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(1, 16, generator=g).repeat(40, 1)
+    v[20:] = torch.randn(20, 16, generator=g)
+    lib = _lib(tmp_path, 40, 16, vectors=v)
+    for dtype in (torch.float32, torch.bfloat16):
+        s, ids = AnchorIndex(lib, dtype=dtype).search(v[:2] + 0.01, 25)
+        s_ref, _ = AnchorIndex(lib).search(v[:2] + 0.01, 25)
+        torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+        assert (ids.sort(1).values.diff(dim=1) > 0).all()
+
+
+def test_self_query_and_input_dtypes(tmp_path):
+    lib = _lib(tmp_path, 40, 16)
+    index = AnchorIndex(lib)
+    q = lib.vectors[:5].clone() * 7
+    for qq in (q, q.float(), q.to(torch.bfloat16)):
+        scores, ids = index.search(qq, k=1)
+        assert ids[:, 0].tolist() == [0, 1, 2, 3, 4]
+        assert torch.allclose(scores[:, 0], torch.ones(5), atol=1e-2)
+
+
+def test_bad_arguments(tmp_path):
+    lib = _lib(tmp_path, 40, 16)
+    index = AnchorIndex(lib)
+    with pytest.raises(ValueError, match="16"):
+        index.search(torch.randn(2, 15))
+    with pytest.raises(ValueError):
+        index.search(torch.randn(16))
+    with pytest.raises(ValueError):
+        index.search(torch.randn(1, 16), k=0)
+    with pytest.raises(ValueError, match="nprobe"):
+        AnchorIndex(lib, approximate=True, nprobe=0)
+    with pytest.raises(ValueError, match="dtype"):
+        AnchorIndex(lib, dtype=torch.int8)
