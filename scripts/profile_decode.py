@@ -1,11 +1,12 @@
 """Time and profile one compiled decode step in process (no HTTP, no scheduler).
 
-Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant int4]
-                                        [--threads 1] [--steps 100] [--profile]
+Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant auto]
+                                        [--threads 1] [--steps 100] [--profile] [--anchors DIR]
 
 Builds the engine as ``sfcl serve --compile`` does (default model, default anchor library),
 then calls the compiled decode step on dummy rows of B sequences attending to S cache
-positions, and prints the step's p50 / p90 wall time in ms. ``--profile`` adds the
+positions, and prints the step's p50 / p90 wall time in ms, against the same step run eagerly
+(``LlamaModel.forward_step``, interleaved with the compiled calls). ``--profile`` adds the
 torch.profiler table of the top operators (self CPU time per step), which is how the Dynamo
 guard time ("TorchDynamo Cache Lookup") and the Python-wrapper time of
 ``sfcl.model.compiled.compile_options`` were found. Compiling takes 30 s to a few minutes
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1, help="B, sequences in the step")
     ap.add_argument("--length", type=int, default=200, help="S, attended cache positions")
-    ap.add_argument("--weight-quant", default="int4", choices=["none", "int8", "int4"])
+    ap.add_argument("--weight-quant", default="auto", choices=["auto", "none", "fp16", "int8", "int4"],
+                    help="as sfcl serve's flag (auto: this machine's default, logged as [WEIGHTS])")
+    ap.add_argument("--anchors", default=None, help="anchor library (default: sfcl serve's default library)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the server decodes on cores - 1)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true", help="print the torch.profiler operator table")
@@ -32,17 +35,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
     from sfcl.model.compiled import dummy_decode_step
+    from sfcl.model.hardware import resolve_weight_format
     from sfcl.model.loader import load_model
+    from sfcl.model.quant import quantize_weights
     from sfcl.serving import load_anchors, make_llm_engine
 
     torch.set_num_threads(a.threads)
-    mcfg, scfg = ModelConfig(), SnapshotConfig()
+    mcfg, scfg = ModelConfig(), SnapshotConfig(anchors=a.anchors)
     lm = load_model(mcfg.model, dtype=mcfg.dtype, device="cpu", cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, False)
-    if a.weight_quant != "none":
-        from sfcl.model.quant import quantize_weights
-
-        quantize_weights(lm.model, a.weight_quant)
+    wq = resolve_weight_format(a.weight_quant, lm.model.embed_tokens.weight.dtype)
+    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
     B, S = a.batch, a.length
     t0 = time.perf_counter()
     eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1), compile=True),
@@ -59,15 +62,23 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for _ in range(10):
             cd(ids, step(), runner.tap_layer)
-        ts = []
-        for _ in range(a.steps):
+            lm.model.forward_step(ids, step(), runner.kv, runner.tap_layer)
+        ts, te = [], []
+        for _ in range(a.steps):  # compiled and eager in turn
             st = step()
             t = time.perf_counter()
             cd(ids, st, runner.tap_layer)
             ts.append(time.perf_counter() - t)
+            st = step()
+            t = time.perf_counter()
+            lm.model.forward_step(ids, st, runner.kv, runner.tap_layer)
+            te.append(time.perf_counter() - t)
         ts.sort()
-        print(f"decode step B={B} S={S} {a.weight_quant} threads={a.threads}: "
-              f"p50 {ts[len(ts) // 2] * 1e3:.2f} ms, p90 {ts[int(len(ts) * 0.9)] * 1e3:.2f} ms", flush=True)
+        te.sort()
+        print(f"decode step B={B} S={S} weights {wq.label} threads={a.threads}: compiled "
+              f"p50 {ts[len(ts) // 2] * 1e3:.2f} ms, p90 {ts[int(len(ts) * 0.9)] * 1e3:.2f} ms; eager "
+              f"p50 {te[len(te) // 2] * 1e3:.2f} ms, p90 {te[int(len(te) * 0.9)] * 1e3:.2f} ms "
+              f"(compiled/eager {ts[len(ts) // 2] / te[len(te) // 2]:.2f})", flush=True)
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
 

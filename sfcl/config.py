@@ -45,18 +45,19 @@ class ModelConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads of the engine thread for decode (None: serve picks
     # cores - 1, see sfcl.serving.engine_threads; other commands: torch's default)
-    weight_quant: str = "none"  # none | int8 | int4: weight-only quantized linears (sfcl.model.quant, CPU)
+    weight_quant: str = "auto"  # auto | none | fp16 | int8 | int4: linear-layer weight format (sfcl.model.quant, CPU;
+    # auto: sfcl.model.hardware.choose_weight_format picks per machine, none elsewhere than a CPU)
 
     def __post_init__(self) -> None:
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {self.threads}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}")
-        if self.weight_quant not in ("none", "int8", "int4"):
-            raise ValueError("weight_quant must be none, int8 or int4")
-        if self.weight_quant != "none" and not str(self.device).startswith("cpu"):
+        if self.weight_quant not in ("auto", "none", "fp16", "int8", "int4"):
+            raise ValueError("weight_quant must be auto, none, fp16, int8 or int4")
+        if self.weight_quant not in ("auto", "none") and not str(self.device).startswith("cpu"):
             raise ValueError(f"--weight-quant {self.weight_quant} runs on the CPU only (torch's packed int8/int4 "
-                             f"CPU kernels); use --weight-quant none with --device {self.device}")
+                             f"and FBGEMM fp16 CPU kernels); use --weight-quant auto or none with --device {self.device}")
 
 
 @dataclass(slots=True)

@@ -25,7 +25,9 @@ from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
 from sfcl.engine.threads import run_on_scratch_thread
+from sfcl.model.hardware import resolve_weight_format
 from sfcl.model.loader import LoadedModel, load_model
+from sfcl.model.quant import quantize_weights
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.snapshotter import Snapshotter
@@ -221,11 +223,10 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         torch.set_num_threads(prefill_threads)  # loading, and a first start's anchor build, are bulk work
         lm = load_model(mcfg.model, dtype=mcfg.dtype, device=mcfg.device, cache_dir=scfg.cache_dir)
         lib = load_anchors(lm, scfg, progress)
-        if mcfg.weight_quant != "none":
-            # after the library: a default library built on first start comes from the unquantized weights
-            # (its cache name holds the fingerprint, which the kept bf16 embedding leaves unchanged)
-            from sfcl.model.quant import quantize_weights
-            quantize_weights(lm.model, mcfg.weight_quant)
+        # after the library: a default library built on first start comes from the unquantized weights
+        # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
+        wq = resolve_weight_format(mcfg.weight_quant, next(lm.model.parameters()).dtype, mcfg.device)
+        quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

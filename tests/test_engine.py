@@ -267,3 +267,26 @@ def test_engine_threads_defaults():
     assert engine_threads(4, 2, cores=8) == (4, 2)
     with pytest.raises(ValueError, match="prefill_threads"):
         EngineConfig(prefill_threads=0)
+
+
+def test_a_finished_request_gives_its_kv_memory_back(lm, nda_prompt):
+    """Scheduler -> runner -> KV cache: the slot a finished request held is released in the next
+    step (its pages beyond ``keep_positions`` return to the OS) and reads as zeros there."""
+    from tests.test_kv_cache import _resident
+
+    eng = make_llm_engine(lm, None, EngineConfig(max_num_seqs=2, prefix_cache_tokens=0))
+    kv = eng.runner.kv
+    rows = kv.k + kv.v
+    before = _resident(rows)
+    eng.add_request("long", nda_prompt, SamplingParams(max_tokens=2, snapshot_mode="off", ignore_eos=True))
+    while not eng.requests["long"].seq.output_ids:
+        eng.step()
+    held = _resident(rows) - before
+    n = len(nda_prompt)
+    assert held >= 0.9 * (n - kv.keep_positions) * kv.bytes_per_token
+    while eng.has_work():
+        eng.step()
+    assert kv.hwm[0] == kv.keep_positions
+    assert _resident(rows) - before < held * (kv.keep_positions + 64) / n
+    k, v = kv.read(0, slice(0, 1), n)
+    assert float(k[:, :, kv.keep_positions + 32:].abs().sum()) == 0

@@ -1,4 +1,8 @@
-"""KV cache storage: INT8 block-wise quantization, prefix-cache block copies, row moves."""
+"""KV cache storage: INT8 block-wise quantization, prefix-cache block copies, row moves, memory
+that follows the positions written and released."""
+
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -88,8 +92,9 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_rows_are_zeroed_before_decode_reads_past_their_length(kv_dtype):
-    """Masked attention weights are 0, but 0 * NaN = NaN: garbage past a row's length must go."""
-    c = KVCache(ARGS, 2, 32, torch.float32, kv_dtype=kv_dtype, block_size=4)
+    """Masked attention weights are 0, but 0 * NaN = NaN: garbage past a row's length must go
+    (torch.empty storage, as on CUDA)."""
+    c = KVCache(ARGS, 2, 32, torch.float32, kv_dtype=kv_dtype, block_size=4, lazy_pages=False)
     for t in c.k + c.v:
         t.fill_(127 if t.dtype == torch.int8 else float("nan"))
     for t in getattr(c, "k_scale", []) + getattr(c, "v_scale", []):
@@ -114,3 +119,66 @@ def test_int8_decode_ignores_garbage_in_the_unfilled_part_of_the_residual_block(
     c.write_decode(0, torch.tensor([0]), torch.tensor([5]), k[None, :, 4], v[None, :, 4])
     kk, vv = c.read(0, slice(0, 1), 6)
     assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
+
+
+def _resident(tensors) -> int:
+    """Resident bytes of the memory maps holding ``tensors`` (Linux /proc/self/smaps)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    total, vma = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                vma = (a, b) if any(x < b and a < y for x, y in spans) else None
+            elif vma is not None and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_resident_memory_follows_the_positions_written_and_released(kv_dtype):
+    wide = dataclasses.replace(ARGS, head_dim=64, n_layers=4)
+    c = KVCache(wide, 4, 4096, torch.float32, kv_dtype=kv_dtype, block_size=16, keep_positions=256)
+    assert c.lazy_pages
+    expected = 4 * 3072 * c.bytes_per_token  # 4 rows x 3,072 positions
+    rows = c.k + c.v + getattr(c, "k_scale", []) + getattr(c, "v_scale", [])
+
+    def resident() -> int:
+        return _resident(rows)
+
+    base = resident()
+    assert base < 0.01 * expected
+    kk, vv = c.read(0, slice(0, 4), 4096)  # never written: zeros, and reading them allocates nothing
+    assert float(kk.abs().sum()) == 0 and float(vv.abs().sum()) == 0
+    del kk, vv
+    g = torch.Generator().manual_seed(0)
+    for row in range(4):
+        k, v = torch.randn(2, 2, 3072, 64, generator=g)
+        for layer in range(4):
+            c.write_prefill(layer, row, 0, k, v)
+    grown = resident() - base
+    assert 0.95 * expected < grown < 1.05 * expected, (grown, expected)
+    before = c.read(1, slice(2, 3), 256)
+    for row in range(4):
+        c.release(row)
+    kept = resident() - base
+    assert kept < grown * (256 + 64) / 3072, (kept, grown)  # what stays: 256 positions of each row, + pages
+    assert all(torch.equal(a, b) for a, b in zip(c.read(1, slice(2, 3), 256), before))  # kept positions intact
+    k, v = c.read(1, slice(2, 3), 3072)
+    assert float(k[:, :, 320:].abs().sum()) == 0 and float(v[:, :, 320:].abs().sum()) == 0  # released: zeros
+
+
+def test_release_is_a_no_op_without_lazy_pages_and_for_rows_within_keep_positions():
+    c = KVCache(ARGS, 2, 64, torch.float32, lazy_pages=False)
+    k, v = kv_pair(40)
+    c.write_prefill(0, 0, 0, k, v)
+    c.release(0)
+    assert torch.equal(c.read(0, slice(0, 1), 40)[0][0], k)
+    lazy = KVCache(ARGS, 2, 64, torch.float32, keep_positions=64)
+    lazy.write_prefill(0, 0, 0, k, v)
+    lazy.release(0)
+    assert torch.equal(lazy.read(0, slice(0, 1), 40)[0][0], k)
+    with pytest.raises(ValueError, match="lazy_pages"):
+        KVCache(ARGS, 1, 8, torch.float32, device="meta", lazy_pages=True)

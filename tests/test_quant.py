@@ -1,4 +1,5 @@
-"""sfcl.model.quant: weight-only INT8 / INT4 linears, M-dispatch, model-level drift, bad flags."""
+"""sfcl.model.quant: weight-only INT8 / INT4 / FBGEMM fp16 linears, M-dispatch, model-level drift,
+the per-machine weight format (sfcl.model.hardware.choose_weight_format), bad flags."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sfcl.model.quant import QuantLinear, dequantize_int4, quantize_int4, quantize_int8, quantize_weights
+from sfcl.model.quant import (Fp16Linear, QuantLinear, dequantize_int4, fp16_gemm_available, parse_weight_format,
+                              quantize_int4, quantize_int8, quantize_weights, weight_bytes)
 
 from conftest import contractnli_docs
 
@@ -100,7 +102,7 @@ def test_bad_values_error_cleanly():
     lin = _linear()
     model = nn.Module()
     model.layers, model.lm_head = nn.ModuleList(), lin
-    with pytest.raises(ValueError, match="none, int8, int4"):
+    with pytest.raises(ValueError, match="none, fp16, int8, int4"):
         quantize_weights(model, "int3")
     with pytest.raises(ValueError, match="dense"):
         quantize_weights(model, "int8", dense="sometimes")
@@ -122,12 +124,15 @@ def test_cli_flag_maps_to_model_config(capsys):
     mc, _, _ = configs(build_parser().parse_args(["serve", "--weight-quant", "int4"]))
     assert mc.weight_quant == "int4"
     mc, _, _ = configs(build_parser().parse_args(["generate", "hi"]))
-    assert mc.weight_quant == "none"
+    assert mc.weight_quant == "auto"
     with pytest.raises(SystemExit) as e:
         main(["serve", "--weight-quant", "int3"])
     assert e.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
     assert main(["serve", "--weight-quant", "int8", "--device", "cuda"]) == 2
     assert capsys.readouterr().err.startswith("sfcl: error: --weight-quant int8 runs on the CPU only")
+    from sfcl.config import ModelConfig
+
+    assert ModelConfig(device="cuda").weight_quant == "auto"  # auto is fine anywhere: none off the CPU
 
 
 @pytest.mark.parametrize("mode,min_top1,min_cos", [("int8", 0.88, 0.99), ("int4", 0.90, 0.995)])
@@ -198,3 +203,79 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     assert calls["int4"] == 5 * 4 * n and calls["int8"] == 6
     assert calls["dense_rows"] == [len(ids)] * (4 * n)  # the prefill chunk: bf16 weights, M = prompt length
     assert len(text.strip()) > 0
+
+
+needs_fbgemm = pytest.mark.skipif(not fp16_gemm_available(), reason="this torch build has no FBGEMM fp16 GEMM")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp16_linear_is_the_fp16_rounded_weight_in_fp32_arithmetic(bias):
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(128, 96, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 128, generator=g) * 0.05)
+    f = Fp16Linear(lin.weight.data, lin.bias)
+    for shape in ((1, 128), (7, 128), (2, 5, 128)):
+        x = torch.randn(*shape, generator=g)
+        ref = F.linear(x, lin.weight.half().float(), lin.bias)
+        y = f(x)
+        assert y.shape == ref.shape and y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    # not the fp32 weight: the rounding to fp16 shows
+    x = torch.randn(64, 128, generator=g)
+    assert not torch.equal(f(x), F.linear(x, lin.weight, lin.bias))
+    assert f(x.bfloat16()).dtype == torch.bfloat16  # computed in fp32, returned in x's dtype
+
+
+@needs_fbgemm
+def test_fp16_dense_path_serves_batches_above_max_rows():
+    lin = nn.Linear(128, 96)
+    q = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="fp16")
+    x2, x3 = torch.randn(2, 128), torch.randn(3, 128)
+    packed = torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), q.qweight, 32, q.scales_and_zeros).float() + lin.bias
+    assert torch.equal(q(x2), packed)
+    torch.testing.assert_close(q(x3), F.linear(x3, lin.weight.half().float(), lin.bias), rtol=1e-5, atol=1e-5)
+    assert q.dense_weight is None and not hasattr(q, "qnibbles")  # no fp32 copy, no unpacked nibbles
+
+
+@needs_fbgemm
+def test_weight_formats_parse_apply_and_count_their_bytes(lm):
+    assert parse_weight_format("int4+fp16/fp16") == ("int4", "fp16", "fp16")
+    assert parse_weight_format("fp16") == ("fp16", "keep", None)
+    with pytest.raises(ValueError, match="bad weight format"):
+        parse_weight_format("int4+fp8")
+    a = lm.args
+    m = quantize_weights(copy.deepcopy(lm.model), "int4", max_rows=3, dense="fp16", lm_head="fp16")
+    blocks = a.n_layers * (a.hidden_size * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
+                           + a.n_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size)
+    b = weight_bytes(m)
+    assert b["dense"] == 2 * blocks  # the fp16 copies of the block weights
+    assert b["packed"] > 2 * a.vocab_size * a.hidden_size + blocks // 2  # fp16 head + int4 codes and scales
+    assert isinstance(m.lm_head, Fp16Linear) and isinstance(m.layers[0].mlp.down_proj, QuantLinear)
+    f = quantize_weights(copy.deepcopy(lm.model), "fp16")
+    assert isinstance(f.layers[3].self_attn.qkv_proj, Fp16Linear) and isinstance(f.lm_head, Fp16Linear)
+
+
+def test_weight_format_choice_by_machine_kind(monkeypatch):
+    from sfcl.model import hardware
+    from sfcl.model.hardware import WeightFormat, choose_weight_format
+
+    fake = {"fp32_fbgemm": [WeightFormat("int4", "fp16", "fp16", 3, 0.02, "too lossy"),
+                            WeightFormat("fp16", "keep", "fp16", None, 0.001, "holds")],
+            "bf16": [WeightFormat("int4", "keep", "int8", 6, None, "not measured")]}
+    monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
+    monkeypatch.setattr("sfcl.model.quant.fp16_gemm_available", lambda: True)
+    c = choose_weight_format("auto", torch.float32)
+    assert (c.mode, c.label) == ("fp16", "fp16/fp16") and "holds" in c.reason  # the first within the 1% bar
+    assert choose_weight_format("auto", torch.bfloat16).mode == "none"  # no CI measured: not a default
+    c = choose_weight_format("int4", torch.float32)  # explicit: the machine's dense path and head
+    assert c.label == "int4+fp16/fp16" and c.max_rows == 3
+    assert choose_weight_format("int8", torch.float32).label == "int8+fp16"
+    assert choose_weight_format("none", torch.float32).mode == "none"
+    assert choose_weight_format("auto", torch.float32, "cuda").mode == "none"
+    monkeypatch.setattr("sfcl.model.quant.fp16_gemm_available", lambda: False)
+    assert choose_weight_format("auto", torch.float32).mode == "none"  # no FBGEMM, nothing measured
+    assert choose_weight_format("int4", torch.float32).label == "int4"
+    with pytest.raises(ValueError, match="weight_quant"):
+        choose_weight_format("int3", torch.float32)

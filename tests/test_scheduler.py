@@ -75,6 +75,9 @@ def test_finish_compacts_decode_slots_with_a_kv_move():
     assert [q.request_id for q in out.decode] == ["r0", "r3", "r2"]
     assert [q.slot for q in out.decode] == [0, 1, 2]
     assert reqs[1].status is RequestStatus.FINISHED and reqs[1].slot == -1
+    # slot 1 was vacated but KV was moved into it; slot 3 was left by the move: only 3 is released
+    assert out.release == [3]
+    assert run_step(s).release == []  # listed once
 
 
 def test_finishing_the_last_slot_needs_no_move():
@@ -102,6 +105,35 @@ def test_a_prefilling_sequence_in_the_decode_region_is_swapped_out_via_the_scrat
     out = s.schedule()  # x decodes and must sit in slot 0, where y's 16 computed positions live
     assert [(m.src, m.dst, m.length) for m in out.moves] == [(0, 2, 16), (1, 0, 2), (2, 1, 16)]
     assert (x.slot, y.slot) == (0, 1) and out.decode == [x] and out.prefill[0].seq is y
+    assert out.release == [2]  # the scratch row, after the swap
+
+
+def test_a_slot_left_by_a_finished_sequence_is_released_even_when_reused_in_the_same_step():
+    """Released after the moves and before any write: the newcomer has no KV there yet."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_prefill_seqs=2))
+    a, b, c = make_requests(3)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.add(c)
+    s.finish(b, "end_turn")  # slot 1, the last decode slot: no move
+    out = run_step(s)
+    assert c.slot == 1 and out.release == [1] and out.moves == []
+    assert [(ch.seq.request_id, ch.start) for ch in out.prefill] == [("r2", 0)]
+    s.abort("r0")  # slot 0: r2 moves down into it and leaves slot 1
+    out = s.schedule()
+    assert [(m.src, m.dst) for m in out.moves] == [(1, 0)] and out.release == [1]
+
+
+def test_a_release_alone_makes_a_step():
+    """An idle engine still gives a finished sequence's KV memory back."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=2))
+    a, = make_requests(1)
+    s.add(a)
+    run_step(s)
+    s.finish(a, "end_turn")
+    out = s.schedule()
+    assert out.release == [0] and out.decode == [] and out.prefill == [] and not out.is_empty
 
 
 def test_prefix_cache_restores_the_shared_prompt_blocks_and_counts_hits():

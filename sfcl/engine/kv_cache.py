@@ -5,8 +5,24 @@ Who owns what: the scheduler (torch-free) decides which slot a request uses, whe
 (compaction keeps decoding sequences in slots [0, n) so that decode attends to plain views, no
 gather), and which prefix-cache blocks are restored or saved (``sfcl.engine.block_manager``);
 this module holds the tensors and performs what the scheduler planned. Data lives on the model's
-device. ``torch.empty`` reserves virtual memory; pages are touched only as positions are written,
-so a large ``max_len`` or pool costs little until used. Row ``n_slots`` is a scratch row for swaps.
+device. Row ``n_slots`` is a scratch row for swaps.
+
+Memory that follows the tokens held (CPU): every tensor is a private anonymous memory map
+(``mmap``), so the OS hands out a zeroed page the first time a position on it is written and a
+large ``max_len`` or pool costs address space only. When a sequence leaves its row (finished,
+aborted, or moved away by compaction) the scheduler lists the row in ``SchedulerOutput.release``
+and ``release`` returns its pages to the OS (``madvise(MADV_DONTNEED)``); they read as zeros
+afterwards (except the first ``keep_positions``, see ``KEEP_POSITIONS``). Resident KV memory is
+therefore the tokens actually held, rounded up per (layer, row, head) to whole pages (4 KiB = 16
+fp32 or 32 bf16 positions of a 64-wide head), instead of every row's longest past sequence.
+Transparent huge pages are turned off for these maps (``MADV_NOHUGEPAGE``): a 2 MiB page per head
+would hold 8,192 positions after one write. Why rows and not blocks with a block table (vLLM's
+PagedAttention): decode attends to plain strided views of rows [0, B) with no gather (see
+``sfcl.model.llama.Attention.decode_attn``), and with pages given back on release a row costs no
+more memory than the blocks it would hold (``python scripts/profile_kv_memory.py --keep-positions
+0``: 16 rows x 150 fp32 tokens = 105 MiB of KV, 117 MiB resident after writing, 6 MiB after
+release). On other devices (CUDA) tensors come from ``torch.empty``, are never released, and rows
+are zeroed ahead of reads (``ensure_initialized``).
 
 INT8 (``kv_dtype="int8"``), following KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit
 Quantization for KV Cache"): keys are quantized **per channel** within each block of
@@ -23,12 +39,36 @@ compute dtype. Bytes per token and head (hd = 64, block 16): keys 64 + 8 (scales
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from sfcl.model.llama import LlamaArgs
 
 KV_DTYPES = ("auto", "int8")
 ZERO_AHEAD = 256  # positions zeroed at once past a row's written range (see KVCache.ensure_initialized)
+# Positions of a row that ``release`` keeps resident for the row's next sequence. A page costs a
+# fault when first written and a free when released: ``python scripts/profile_kv_memory.py`` on the
+# 2-core AVX2 EPYC (a firecracker VM, load average 10-19 from other jobs) measured 190-550 us per
+# fp32 token of SmolLM2-135M for the faults (11 pages a token) and 45-127 ms per released row, a few
+# percent of what prefilling that token costs there. Keeping the first 256 positions spares the short
+# chats that make up most requests that round trip; a row keeps at most 11 MiB (fp32) after release.
+KEEP_POSITIONS = 256
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zero-filled CPU tensor on its own private anonymous memory map (pages materialise on first
+    write), and the map (None for an empty tensor). The tensor keeps the map alive."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype), None
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(m, dtype=dtype, count=n).view(shape), m
 
 
 class KVCache:
@@ -38,13 +78,19 @@ class KVCache:
     each row's block in progress. R = n_slots + 1 (scratch row). The prefix-cache pool mirrors one
     block of every tensor per pool block: pool_k[l] (P, nkv, bs, hd), ...
 
-    Raises ValueError for an unknown kv_dtype or sizes < 1.
+    lazy_pages: None (default) = True on the CPU: storage on anonymous memory maps whose pages are
+    touched as positions are written and given back by ``release`` (module docstring); False:
+    ``torch.empty`` storage, zeroed ahead of reads by ``ensure_initialized`` (other devices).
+    keep_positions: positions of a row that ``release`` leaves resident.
+
+    Raises ValueError for an unknown kv_dtype, sizes < 1, or lazy_pages on a non-CPU device.
     """
 
     def __init__(self, args: LlamaArgs, n_slots: int, max_len: int, dtype: torch.dtype, device: str = "cpu",
-                 kv_dtype: str = "auto", block_size: int = 16, pool_blocks: int = 0):
-        if n_slots < 1 or max_len < 1 or block_size < 1 or pool_blocks < 0:
-            raise ValueError("n_slots, max_len and block_size must be >= 1, pool_blocks >= 0")
+                 kv_dtype: str = "auto", block_size: int = 16, pool_blocks: int = 0, lazy_pages: bool | None = None,
+                 keep_positions: int = KEEP_POSITIONS):
+        if n_slots < 1 or max_len < 1 or block_size < 1 or pool_blocks < 0 or keep_positions < 0:
+            raise ValueError("n_slots, max_len and block_size must be >= 1, pool_blocks and keep_positions >= 0")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
         bs = block_size
@@ -53,25 +99,42 @@ class KVCache:
         self.n_slots, self.max_len, self.block_size, self.dtype, self.kv_dtype = n_slots, max_len, bs, dtype, kv_dtype
         self.int8 = kv_dtype == "int8"
         sd = dtype if not self.int8 else torch.int8
+        cpu = torch.device(device).type == "cpu"
+        if lazy_pages and not cpu:
+            raise ValueError(f"lazy_pages needs a CPU KV cache, not {device}")
+        self.lazy_pages = cpu if lazy_pages is None else bool(lazy_pages)
+        # row tensors (R, nkv, P, ...) on lazy pages, their maps, and positions per index of axis 2
+        self._maps: list[tuple[torch.Tensor, mmap.mmap, int]] = []
+        self.keep_positions = keep_positions
 
-        def alloc(shape, dt):
-            return [torch.empty(shape, dtype=dt, device=device) for _ in range(L)]
+        def alloc(shape, dt, per_index: int = 0):  # per_index 0: not a row tensor (never released)
+            if not self.lazy_pages:
+                return [torch.empty(shape, dtype=dt, device=device) for _ in range(L)]
+            out = []
+            for _ in range(L):
+                t, m = _lazy_zeros(shape, dt)
+                if per_index and m is not None:
+                    self._maps.append((t, m, per_index))
+                out.append(t)
+            return out
 
-        self.k = alloc((R, nkv, max_len, hd), sd)
-        self.v = alloc((R, nkv, max_len, hd), sd)
+        self.k = alloc((R, nkv, max_len, hd), sd, 1)
+        self.v = alloc((R, nkv, max_len, hd), sd, 1)
         self.pool_k = alloc((pool_blocks, nkv, bs, hd), sd)
         self.pool_v = alloc((pool_blocks, nkv, bs, hd), sd)
         if self.int8:
-            self.k_scale = alloc((R, nkv, max_len // bs, hd), torch.bfloat16)
-            self.v_scale = alloc((R, nkv, max_len), torch.bfloat16)
+            self.k_scale = alloc((R, nkv, max_len // bs, hd), torch.bfloat16, bs)
+            self.v_scale = alloc((R, nkv, max_len), torch.bfloat16, 1)
             self.k_res = [torch.zeros((R, nkv, bs, hd), dtype=dtype, device=device) for _ in range(L)]  # small
             self.pool_ks = alloc((pool_blocks, nkv, hd), torch.bfloat16)
             self.pool_vs = alloc((pool_blocks, nkv, bs), torch.bfloat16)
         self.pool_blocks = pool_blocks
-        # Positions [0, hwm[r]) of row r hold written (or zeroed) values. Decode attends to [0, S)
-        # for every row with masked weights that are exactly 0, and 0 * NaN = NaN: uninitialized
-        # memory past a row's own length must not hold NaN/Inf bit patterns, so rows are zeroed up
-        # to S before they are read (``ensure_initialized``), a few positions per step.
+        # Positions [0, hwm[r]) of row r may hold written values; past it, lazy pages hold zeros and
+        # torch.empty storage holds garbage. Decode attends to [0, S) for every row with masked
+        # weights that are exactly 0, and 0 * NaN = NaN: uninitialized memory past a row's own
+        # length must not hold NaN/Inf bit patterns, so torch.empty rows are zeroed up to S before
+        # they are read (``ensure_initialized``), a few positions per step. Lazy pages are zeros
+        # already; there hwm bounds what ``release`` gives back.
         self.hwm = [0] * R
         el = torch.empty((), dtype=sd).element_size()
         per_head = 2 * hd * el
@@ -146,7 +209,8 @@ class KVCache:
         return kk, vv
 
     def ensure_initialized(self, n_rows: int, S: int) -> None:
-        """Zero positions [hwm, S) of rows [0, n_rows) that were never written (see ``hwm``).
+        """Zero positions [hwm, S) of rows [0, n_rows) that were never written (see ``hwm``); with
+        lazy pages (zeros already) only record that rows [0, n_rows) may be written up to S.
 
         Zeroes ahead to the next multiple of ``ZERO_AHEAD`` positions, so a decoding row pays for
         this once every ZERO_AHEAD steps rather than with 2 x n_layers tiny writes every step."""
@@ -154,6 +218,9 @@ class KVCache:
         for r in range(n_rows):
             a = self.hwm[r]
             if a >= S:
+                continue
+            if self.lazy_pages:  # zeros already: only note how far the row may be written
+                self.hwm[r] = S
                 continue
             b = min(self.max_len, -(-S // ZERO_AHEAD) * ZERO_AHEAD)
             for i in range(len(self.k)):
@@ -164,7 +231,29 @@ class KVCache:
                     self.v_scale[i][r, :, a:b] = 0
             self.hwm[r] = b
 
-    # -- scheduler-planned copies ------------------------------------------------------------------
+    # -- scheduler-planned copies and releases -----------------------------------------------------
+    def release(self, row: int) -> None:
+        """Give the memory of row ``row``'s positions from ``keep_positions`` on back to the OS:
+        those pages read as zeros afterwards and are touched again only as positions are written.
+        The scheduler lists a row once no sequence holds KV in it (``SchedulerOutput.release``).
+        A no-op without lazy pages. Pages that straddle the kept range are kept."""
+        keep, end = self.keep_positions, self.hwm[row]
+        if not self._maps or end <= keep:
+            return
+        page = mmap.PAGESIZE
+        for t, m, per_index in self._maps:
+            _, nkv, P = t.shape[:3]
+            first, last = -(-keep // per_index), min(P, -(-end // per_index))  # indices on axis 2
+            inner = t[0, 0, 0].numel() * t.element_size()  # bytes per index of axis 2
+            for h in range(nkv):  # each head's positions are one contiguous run
+                base = (row * nkv + h) * P * inner
+                a = -(-(base + first * inner) // page) * page
+                # the page holding position hwm - 1 is this run's up to the run's own end (zeros past hwm)
+                b = min(-(-(base + last * inner) // page), (base + P * inner) // page) * page
+                if b > a:
+                    m.madvise(mmap.MADV_DONTNEED, a, b - a)
+        self.hwm[row] = keep
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy positions [0, length) of row ``src`` into row ``dst`` in every layer."""
         bs = self.block_size

@@ -2,7 +2,7 @@
 snapshot triggers and does the step's anchor lookups; hands back plain Python results.
 
 It never decides anything (the scheduler does). Lives in the engine thread; tensors stay on the
-model's device. Per step: KV moves and prefix-cache restores, ONE forward for all the step's tokens
+model's device. Per step: KV moves, releases of vacated KV rows and prefix-cache restores, ONE forward for all the step's tokens
 (decode rows and prompt chunks flattened: the linear layers read the weights once, attention runs
 per part; ``LlamaModel.forward_step``), prefix-cache saves, then sampling and trigger
 evaluation over all sampled rows at once, one host transfer of the packed per-row results, and
@@ -194,6 +194,8 @@ class ModelRunner:
         for mv in plan.moves:
             self.kv.move(mv.src, mv.dst, mv.length)
             self.state.move(mv.src, mv.dst)
+        for slot in plan.release:  # after the moves (they may read these rows), before any write
+            self.kv.release(slot)
         for r in plan.restores:
             self.kv.restore(r.slot, r.first_block, r.pool_blocks)
             out.restored_tokens += len(r.pool_blocks) * self.kv.block_size

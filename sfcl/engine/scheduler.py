@@ -17,7 +17,9 @@ Policy:
 - KV slots: decoding sequences occupy cache slots [0, n_decode), prefilling ones the slots above,
   so the decode batch always attends to contiguous views, never a gather. When a sequence leaves
   or completes its prompt, ``KVMove`` records (performed by the runner before the forward) restore
-  that layout; slot ``max_num_seqs`` is a scratch row for swaps.
+  that layout; slot ``max_num_seqs`` is a scratch row for swaps. A slot that no longer holds a
+  sequence's KV (its sequence left, was moved away, or the scratch row after a swap) is listed
+  in ``release`` once, so the KV cache can give its memory back (``KVCache.release``).
 
 Called only from the engine thread.
 """
@@ -111,10 +113,11 @@ class SchedulerOutput:
     saves: list[BlockCopy] = field(default_factory=list)  # prompt blocks completed this step: slot -> pool
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hits: int = 0  # of which restored
+    release: list[int] = field(default_factory=list)  # slots whose KV nobody holds any more: after the moves
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode or self.restores)
+        return not (self.prefill or self.decode or self.restores or self.release)
 
     @property
     def sampled(self) -> list[Sequence]:
@@ -160,6 +163,7 @@ class Scheduler:
         self._removed: list[Sequence] = []
         self._free_slots: list[int] = list(range(cfg.max_num_seqs))
         self.scratch_slot = cfg.max_num_seqs  # the KV cache has max_num_seqs + 1 rows
+        self._vacated: set[int] = set()  # slots left by a sequence since the last plan (-> release)
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -224,6 +228,11 @@ class Scheduler:
         decode = [s for s in self.running if s.prefill_done]
         prefilling = [s for s in self.running if not s.prefill_done]
         moves = self._layout(decode, prefilling)  # admitted sequences have no KV yet: moved free
+        # vacated slots, unless KV was moved into them: released after the moves, before any write
+        # (a sequence admitted into one has computed nothing yet: num_computed is set below)
+        filled = {s.slot for s in self.running if s.kv_len > 0}
+        release = sorted(self._vacated - filled)
+        self._vacated = set()
         restores: list[BlockCopy] = []
         for seq in admitted:  # restore into the final slot, after the moves
             if seq.block_table:
@@ -258,7 +267,7 @@ class Scheduler:
                 break
         removed, self._removed = self._removed, []
         return SchedulerOutput(moves=moves, prefill=chunks, decode=decode, finished=removed, restores=restores,
-                               saves=saves, prefix_queries=queries, prefix_hits=hits)
+                               saves=saves, prefix_queries=queries, prefix_hits=hits, release=release)
 
     def step_done(self) -> None:
         """The runner executed the last plan (its saves are written)."""
@@ -292,6 +301,7 @@ class Scheduler:
         elif seq.status is RequestStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
+            self._vacated.add(seq.slot)
             if seq.block_table:
                 self.prefix.release(seq.block_table)
                 seq.block_table = []
@@ -319,12 +329,15 @@ class Scheduler:
                     moves.append(KVMove(src=old, dst=t, length=seq.kv_len))
                     if other.kv_len:
                         moves.append(KVMove(src=self.scratch_slot, dst=old, length=other.kv_len))
+                    # the scratch row after a swap; or ``old``, left to a sequence without KV yet
+                    self._vacated.add(self.scratch_slot if other.kv_len else old)
                     other.slot, seq.slot = old, t
                     occupant[old] = other
                 else:
                     moves.append(KVMove(src=old, dst=t, length=seq.kv_len))
                     free.discard(t)
                     free.add(old)
+                    self._vacated.add(old)
                     seq.slot = t
             self._free_slots = sorted(free)
         decode.sort(key=lambda s: s.slot)

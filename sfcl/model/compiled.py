@@ -21,6 +21,18 @@ time, once per process; Inductor caches generated code under /tmp/torchinductor_
 restart takes ~35 s) so no request pays it.
 Requires a C++ compiler on CPU (Inductor's C++ backend). The block-wise INT8 KV path has
 data-dependent Python control flow and stays eager (``CompiledDecode`` refuses it).
+
+Off by default (``sfcl serve --compile`` turns it on). The rule was: on by default only if its
+start-up cost is cached and bounded, since a first ``sfcl serve`` must answer within 3 minutes.
+It is cached (~35 s on later starts) but not bounded: the first compile alone takes ~2.6 min
+without and ~5.4 min with the C++ wrapper on 2 cores (156 / 324 s, ``compile_options``), on top
+of loading the model and building the default anchor library, and much longer on a shared
+machine (a first compile under a load average of ~18 on the 2-core AVX2 EPYC had not finished
+after 30 minutes). Compiling on a background thread while serving eagerly would take those
+minutes of both cores from the requests being served. What it would buy is the eager step's
+operator overhead: on the AVX2 EPYC about a third of a batch-1 int4 decode step's CPU time was
+outside the GEMM / GEMV kernels (``torch.profiler`` over ``LlamaModel.forward_step``), after the
+eager path was trimmed from 2,494 to 1,526 operators per step (``sfcl.model.llama``).
 """
 
 from __future__ import annotations

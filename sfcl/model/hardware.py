@@ -1,5 +1,6 @@
 """What this machine computes fast: the serving dtype that ``--dtype auto`` picks, from the CPU's
-flags and a start-up GEMM probe of a few milliseconds.
+flags and a start-up GEMM probe of a few milliseconds, and the weight format that
+``--weight-quant auto`` picks for that dtype (``choose_weight_format``).
 
 Why it matters: bf16 halves weight and KV memory, and on a CPU with AVX-512 BF16 or AMX its GEMMs
 run about twice as fast as fp32. On a CPU without them (AVX2 only, e.g. the AMD EPYC this project
@@ -155,3 +156,104 @@ def fast_float_dtype() -> torch.dtype:
     """The dtype for bulk CPU GEMMs outside the model (k-means assignment, anchor search copies):
     what ``auto`` picks on this CPU (bf16 only with native support)."""
     return choose_dtype("cpu").dtype
+
+
+# -- weight format (--weight-quant) ----------------------------------------------------------------
+QUALITY_BAR = 0.01  # a weight format is used by default only if NDA perplexity changes by at most 1%
+
+
+@dataclass(frozen=True, slots=True)
+class WeightChoice:
+    """The weight format for ``sfcl.model.quant.quantize_weights`` and why it was chosen."""
+
+    mode: str  # none | fp16 | int8 | int4
+    dense: str  # keep | dequant | fp16: weights of batches above max_rows (int8 / int4)
+    lm_head: str | None  # none | fp16 | int8 | int4 (None: quant.DEFAULT_LM_HEAD[mode])
+    max_rows: int | None  # largest batch (rows) on the packed int8 / int4 kernels (None: quant's default)
+    reason: str  # one line for logs
+
+    @property
+    def label(self) -> str:
+        """``MODE[+DENSE][/HEAD]``, the form ``sfcl.model.quant.parse_weight_format`` reads."""
+        if self.mode == "none":
+            return "none"
+        dense = f"+{self.dense}" if self.mode in ("int8", "int4") and self.dense != "keep" else ""
+        return f"{self.mode}{dense}" + (f"/{self.lm_head}" if self.lm_head else "")
+
+
+def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu") -> WeightChoice:
+    """``--weight-quant`` value -> the format to load, for a model in ``dtype`` on ``device``.
+
+    ``auto``: the fastest format whose quality holds on this machine kind (``WEIGHT_FORMATS``:
+    measured speed order and NDA perplexity change; used only within ``QUALITY_BAR``). An explicit
+    mode keeps that mode and takes this machine's dense path and lm_head. Not a CPU: ``none``
+    (the packed and FBGEMM kernels are CPU kernels; ``sfcl.config.ModelConfig`` refuses explicit
+    modes there). Raises ValueError for an unknown mode."""
+    from sfcl.model.quant import WEIGHT_QUANT_MODES, fp16_gemm_available
+
+    if requested != "auto" and requested not in WEIGHT_QUANT_MODES:
+        raise ValueError(f"weight_quant must be auto or one of {', '.join(WEIGHT_QUANT_MODES)}, got {requested!r}")
+    if torch.device(device).type != "cpu":
+        return WeightChoice("none", "keep", None, None, f"device {device}: weights as loaded")
+    kind = "fp32_fbgemm" if dtype == torch.float32 and fp16_gemm_available() else \
+        "fp32" if dtype == torch.float32 else "bf16" if dtype == torch.bfloat16 else "other"
+    formats = WEIGHT_FORMATS.get(kind, [])
+    if requested == "auto":
+        for f in formats:
+            if f.ppl_change_ci_hi is not None and f.ppl_change_ci_hi <= QUALITY_BAR:
+                return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"{kind}: {f.why}")
+        return WeightChoice("none", "keep", None, None, f"{kind}: no measured faster format; weights as loaded")
+    if requested == "none":
+        return WeightChoice("none", "keep", None, None, "requested")
+    same = [f for f in formats if f.mode == requested]
+    if same:
+        f = same[0]
+        return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"requested; {kind}: {f.why}")
+    dense = "fp16" if kind == "fp32_fbgemm" else "keep"
+    return WeightChoice(requested, dense, None, None, f"requested; {kind}: dense path {dense}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """One measured candidate of ``choose_weight_format``."""
+
+    mode: str
+    dense: str
+    lm_head: str | None
+    max_rows: int | None
+    ppl_change_ci_hi: float | None  # upper end of the 95% CI of the NDA perplexity change (None: not measured)
+    why: str  # the measurement, with the command that reproduces it
+
+
+# Candidates per machine kind, fastest first (``choose_weight_format`` takes the first within
+# QUALITY_BAR). Kinds: "fp32_fbgemm" = a float32 model (no native bf16) with FBGEMM's fp16 GEMM
+# (x86 torch builds), "fp32" = without it, "bf16" = a bfloat16 model (native bf16 CPU).
+#
+# fp32_fbgemm, measured on the AVX2-only AMD EPYC (2 cores, shared: thread CPU time, 1 thread):
+# - int4 blocks (+ int8 lm_head) against fp32 weights: NDA perplexity +0.33% [95% CI +0.26, +0.38]
+#   (8 ContractNLI NDAs x 512 tokens, documents resampled; `python scripts/weight_quant_quality.py
+#   --docs 8 --tokens 512 --prompts 0 --modes int4`); int8 +0.55% [+0.16, +0.88].
+# - engine step (`python scripts/profile_weight_formats.py`), against fp32 weights: fp16 0.66 /
+#   0.41 / 0.61x at batch 1 / 4 / 16 and 0.82x for a 256-token prompt chunk; int4 + fp16 above 3
+#   rows 0.56 / 0.42 / 0.58 / 0.82x; int8 + fp16 0.68 / 0.47 / 0.61 / 0.81x. int4 against fp16 alone:
+#   0.84 / 0.83 / 0.93 / 0.98 / 1.21x at 1 / 2 / 3 / 4 / 6 rows, hence max_rows 3.
+WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
+    "fp32_fbgemm": [
+        WeightFormat("int4", "fp16", "int8", 3, 0.0038,
+                     "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
+                     "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38]"),
+    ],
+}
+
+_logged_weights: set[tuple] = set()
+
+
+def resolve_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu", log: bool = True) -> WeightChoice:
+    """``choose_weight_format``, printed once per process and setting as
+    ``[WEIGHTS] auto -> int4+fp16/fp16: ...`` on stderr."""
+    choice = choose_weight_format(requested, dtype, device)
+    key = (requested, dtype, torch.device(device).type)
+    if log and key not in _logged_weights:
+        _logged_weights.add(key)
+        print(f"[WEIGHTS] {requested} -> {choice.label}: {choice.reason}", file=sys.stderr, flush=True)
+    return choice

@@ -81,15 +81,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like the reference implementations, return the input dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., heads, hd) in the half-split layout (Llama / transformers):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed as the
+    halves swapped (one ``flip``) times ``sin_signed = cat(-sin1, sin2)``: the same products,
+    bit for bit, in 4 operators instead of 6."""
+    *lead, hd = x.shape
+    swapped = x.view(*lead, 2, hd // 2).flip(-2).view(*lead, hd)  # (x2, x1)
+    return x * cos + swapped * sin_signed
 
 
 @dataclass(slots=True)
@@ -150,26 +157,29 @@ class Attention(nn.Module):
         self.scale = a.head_dim ** -0.5
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x (B, T, H) -> rotated q (B, T, nh, hd), k (B, T, nkv, hd) and v (B, T, nkv, hd);
-        cos/sin broadcast over (B, T, heads, hd)."""
+        """x (B, T, H) or (N, H) (= (1, N, H)) -> rotated q (B, T, nh, hd), k (B, T, nkv, hd) and
+        v (B, T, nkv, hd);
+        cos / sin_signed (``LlamaModel.rope``) broadcast over (B, T, heads, hd). Without per-head
+        norms q and k are rotated together, as one (B, T, nh + nkv, hd) view."""
         a = self.a
-        B, T, _ = x.shape
+        B, T = (1, x.shape[0]) if x.dim() == 2 else x.shape[:2]  # (N, H): one step's tokens, B = 1
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         qkv = self.qkv_proj(x)  # (B, T, (nh + 2 nkv) hd)
+        if self.q_norm is None:
+            qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd), cos, sin)  # (B, T, nh + nkv, hd)
+            return qk[:, :, :nh], qk[:, :, nh:], qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(B, T, nh, hd)
-        k = k.view(B, T, nkv, hd)
-        v = v.view(B, T, nkv, hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
+        q = self.q_norm(q.view(B, T, nh, hd))
+        k = self.k_norm(k.view(B, T, nkv, hd))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(B, T, nkv, hd)
 
-    def prefill_attn(self, q, k, v, start: int, slot: int, kv, layer: int, want_probs: str | None):
+    def prefill_attn(self, q, k, v, start: int, slot: int, kv, layer: int, want_probs: str | None,
+                     mask: torch.Tensor | None = None):
         """One sequence's prompt chunk. q (1, nh, T, hd), k/v (1, nkv, T, hd) at positions
-        [start, start+T) of cache row ``slot``; attends to [0, start+T). Returns o (1, nh, T, hd)
-        and probs (None, or float32 (1, nh, 1, S) for "last" / (1, nh, T, S) for "all")."""
+        [start, start+T) of cache row ``slot``; attends to [0, start+T). mask: the (T, S) bool
+        causal mask for ``start > 0`` when the caller has it (``chunk_mask``; else built here).
+        Returns o (1, nh, T, hd) and probs (None, or float32 (1, nh, 1, S) for "last" /
+        (1, nh, T, S) for "all")."""
         a = self.a
         T = q.shape[2]
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
@@ -187,10 +197,10 @@ class Attention(nn.Module):
             p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
             o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
             return o.view(1, nh, T, hd), p.view(1, nh, T, S)
-        o = F.scaled_dot_product_attention(
-            q, kk, vv, is_causal=(start == 0), enable_gqa=True,
-            attn_mask=None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start),
-        )  # (1, nh, T, hd)
+        if start and mask is None:
+            mask = chunk_mask(T, start, q.device)
+        o = F.scaled_dot_product_attention(q, kk, vv, is_causal=not start, enable_gqa=True,
+                                           attn_mask=mask if start else None)  # (1, nh, T, hd)
         if want_probs == "last":
             # Only the last query's weights are needed: one (g, S) row per KV head.
             ql = q[:, :, -1:].reshape(1, nkv, g, hd)
@@ -198,9 +208,12 @@ class Attention(nn.Module):
             probs = s.softmax(-1).view(1, nh, 1, S)
         return o, probs
 
-    def decode_attn(self, q, k, v, batch: AttnBatch, kv, layer: int, want_probs: bool):
-        """B sequences, one new token each. q (B, nh, hd), k/v (B, nkv, hd). Returns
-        o (B, nh * hd) and probs (None, or float32 (B, nh, 1, S))."""
+    def decode_attn(self, q, k, v, batch: AttnBatch, kv, layer: int, want_probs: bool,
+                    bias: torch.Tensor | None = None):
+        """B sequences, one new token each. q (B, nh, hd), k/v (B, nkv, hd). bias: the additive
+        float32 (B, 1, 1, S) form of ``batch.mask`` (``decode_bias``, built once per step by the
+        caller; else built here). Returns o (B, nh * hd) and probs (None, or float32
+        (B, nh, 1, S))."""
         a = self.a
         B = q.shape[0]
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
@@ -211,17 +224,23 @@ class Attention(nn.Module):
         kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
         # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x. Scores as
         # K q^T, not q K^T: the cache views are strided, which CPU bmm copies to contiguous first, and
-        # K^T's copy is a transpose (S=1000: 124 us per layer against 36 us for K's plain copy).
-        qg = q.reshape(B, nkv, g, hd)
-        s = torch.matmul(kk, qg.transpose(-1, -2)).transpose(-1, -2) * self.scale  # (B, nkv, S, g) -> (B, nkv, g, S)
-        s = s.float().masked_fill(~batch.mask.view(B, 1, 1, S), float("-inf"))
+        # K^T's copy is a transpose (S=1000: 124 us per layer against 36 us for K's plain copy). The
+        # scale goes on q (nh hd numbers, not nh S; exact for hd = 64, where it is 1/8).
+        qg = (q * self.scale).reshape(B, nkv, g, hd)
+        s = torch.matmul(kk, qg.transpose(-1, -2)).transpose(-1, -2)  # (B, nkv, S, g) -> (B, nkv, g, S)
+        if s.dtype != torch.float32:
+            s = s.float()
+        if bias is None and B > 1:
+            bias = decode_bias(batch.mask)
+        if bias is not None:  # a single row attends to all S positions: nothing to mask
+            s = s + bias  # (B, 1, 1, S) broadcast over (nkv, g)
         p = s.softmax(-1)  # (B, nkv, g, S) fp32
-        o = torch.matmul(p.to(vv.dtype), vv).view(B, nh * hd)  # (B, nh hd)
+        o = torch.matmul(p if p.dtype == vv.dtype else p.to(vv.dtype), vv).view(B, nh * hd)  # (B, nh hd)
         return o, (p.view(B, nh, 1, S) if want_probs else None)  # one query per sequence: "last" == "all"
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv, layer: int, want_probs: str | None):
         """x: (B, T, H). kv: ``sfcl.engine.kv_cache.KVCache`` (writes and reads layer ``layer``).
-        Returns (out (B, T, H), probs).
+        cos, sin: ``LlamaModel.rope`` of the new tokens' positions. Returns (out (B, T, H), probs).
 
         want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
         over attended positions: (B, nh, 1, S) for the last new token, or (1, nh, T, S) for all.
@@ -237,27 +256,44 @@ class Attention(nn.Module):
             o = o.view(B, 1, -1)
         return self.o_proj(o), probs
 
-    def forward_step(self, x, cos, sin, step: "StepBatch", kv, layer: int, tap: bool):
-        """One engine step's tokens in one call: x (1, N, H) = decode rows then prompt chunks.
+    def forward_step(self, x, cos, sin, step: "StepBatch", kv, layer: int, tap: bool,
+                     bias: torch.Tensor | None = None, masks: list | None = None):
+        """One engine step's tokens in one call: x (N, H) = decode rows then prompt chunks.
         The projections run once over all N tokens; attention runs per part (the decode rows as
-        one batch, each chunk on its own). Returns (out (1, N, H), probs per part: list, one
-        entry for the decode batch (if any) then one per chunk; float32 (B, nh, 1, S) or None;
-        only when ``tap``)."""
+        one batch, each chunk on its own). bias / masks: the decode rows' additive mask and each
+        chunk's causal mask, built once per step (``LlamaModel.forward_step``). Returns
+        (out (N, H), probs per part: list, one entry for the decode batch (if any) then one
+        per chunk; float32 (B, nh, 1, S) or None; only when ``tap``)."""
         q, k, v = self.project(x, cos, sin)  # (1, N, heads, hd)
         outs, probs = [], []
         nd = step.n_decode
         if nd:
-            o, p = self.decode_attn(q[0, :nd], k[0, :nd], v[0, :nd], step.decode, kv, layer, tap)
+            o, p = self.decode_attn(q[0, :nd], k[0, :nd], v[0, :nd], step.decode, kv, layer, tap, bias)
             outs.append(o)  # (nd, nh hd)
             probs.append(p)
-        for c in step.chunks:
+        for i, c in enumerate(step.chunks):
             a, b = c.offset, c.offset + c.length
             o, p = self.prefill_attn(q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2),
-                                     c.start, c.slot, kv, layer, "last" if tap and c.want_probs else None)
+                                     c.start, c.slot, kv, layer, "last" if tap and c.want_probs else None,
+                                     masks[i] if masks is not None else None)
             outs.append(o[0].transpose(0, 1).reshape(c.length, -1))  # (T, nh hd)
             probs.append(p)
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (N, nh hd)
-        return self.o_proj(o[None]), probs
+        return self.o_proj(o), probs
+
+
+def chunk_mask(T: int, start: int, device) -> torch.Tensor | None:
+    """Causal mask of a prompt chunk: T queries at positions [start, start+T) over keys [0, start+T),
+    bool (T, start+T), True = attend; None for ``start == 0`` (plain causal: ``is_causal``)."""
+    if not start:
+        return None
+    return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
+def decode_bias(mask: torch.Tensor) -> torch.Tensor:
+    """Additive form of a decode mask: bool (B, 1, 1, S), True = attend -> float32 (B, 1, 1, S)
+    holding 0 where attended and -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class MLP(nn.Module):
@@ -309,12 +345,12 @@ class LlamaModel(nn.Module):
         self.attention_scaling = attention_scaling
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (...,) -> cos, sin (..., 1, hd) broadcastable over heads."""
+        """positions (...,) -> cos, sin_signed (..., 1, hd) broadcastable over heads; sin_signed
+        is ``cat(-sin, sin)`` of the half-split layout, what ``apply_rope`` multiplies by."""
         freqs = positions.float()[..., None] * self.inv_freq  # (..., hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)[..., None, :]
-        sin = (emb.sin() * self.attention_scaling).to(dtype)[..., None, :]
-        return cos, sin
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return torch.cat((cos, cos), -1)[..., None, :], torch.cat((-sin, sin), -1)[..., None, :]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, tap_layer: int,
@@ -355,18 +391,22 @@ class LlamaModel(nn.Module):
         tokens at once; attention is per part (``Attention.forward_step``). Logits and the tap
         hidden state are returned only for ``step.sample_index`` (M rows), so chunks that do not
         end a prompt cost no lm_head."""
-        h = self.embed_tokens(ids)  # (1, N, H)
+        h = self.embed_tokens(ids[0])  # (N, H): 2-D activations, so no linear layer reshapes
         cos, sin = self.rope(step.positions, h.dtype)  # (N, 1, hd)
         cos, sin = cos[None], sin[None]  # (1, N, 1, hd)
+        # masks once per step, not per layer
+        bias = decode_bias(step.decode.mask) if step.n_decode > 1 else None
+        masks = [chunk_mask(c.length, c.start, ids.device) for c in step.chunks]
         tap_hidden = tap_probs = None
         for i, layer in enumerate(self.layers):
             is_tap = i == tap_layer
-            attn_out, probs = layer.self_attn.forward_step(layer.input_layernorm(h), cos, sin, step, kv, i, is_tap)
+            attn_out, probs = layer.self_attn.forward_step(layer.input_layernorm(h), cos, sin, step, kv, i, is_tap,
+                                                           bias, masks)
             h = h + attn_out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if is_tap:
-                tap_hidden, tap_probs = h[0], probs  # (N, H)
-        hs = h[0, step.sample_index]  # (M, H)
+                tap_hidden, tap_probs = h, probs  # (N, H)
+        hs = h[step.sample_index]  # (M, H)
         logits = self.lm_head(self.norm(hs)).float()  # (M, V)
         return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=tap_probs,
                        tap_states=tap_hidden if step.keep_tap_states else None)

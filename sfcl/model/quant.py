@@ -45,12 +45,14 @@ device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_QUANT_MODES = ("none", "int8", "int4")
-DENSE_MODES = ("keep", "dequant")
+WEIGHT_QUANT_MODES = ("none", "fp16", "int8", "int4")
+DENSE_MODES = ("keep", "dequant", "fp16")
 INT4_GROUP = 32
 INT8_K_MULTIPLE = 16  # the packed int8 kernel's input size must be a multiple of this
 # Largest M that uses the packed kernel, per mode (crossovers measured as in the module docstring).
@@ -60,13 +62,55 @@ DEFAULT_MAX_ROWS = {"int8": 6, "int4": 6}
 # 21.842 (+5.8%), int8 head alone 20.706 (+0.28%), int4 blocks alone 20.632 (-0.08%: the Q4_1 grid),
 # int4 blocks + int8 head 20.672 (+0.12%). bf16 / int8 / int4 head GEMV at M=1: 7.4 / 1.8 / 0.95 ms
 # on one thread.
-DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8"}
+DEFAULT_LM_HEAD = {"fp16": "fp16", "int8": "int8", "int4": "int8"}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Activations enter the packed kernels in bf16, also in a float32 model (cast in, cast back out): the
 # kernels' vectorised paths are the bf16 ones. On the AVX2-only EPYC (one thread, [M x 576] . [576 x
 # 1536]) int8 took 0.22 / 0.30 / 1.07 ms at M = 1 / 4 / 16 with bf16 input against 1.50 / 8.87 / 34.0
 # ms with float32 input; int4 0.18 / 0.30 / 1.15 against 2.40 / 9.19 / 34.0.
 KERNEL_DTYPE = torch.bfloat16
+
+
+@functools.cache
+def fp16_gemm_available() -> bool:
+    """Whether this torch build has FBGEMM's fp16-weight GEMM (x86 CPU wheels do; ARM builds do
+    not). Probed once per process on a tiny matrix."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 16), None)
+        return bool(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 16), packed).sum() == 128)
+    except (RuntimeError, AttributeError):  # op missing or not compiled in
+        return False
+
+
+class Fp16Linear(nn.Module):
+    """``y = x W^T (+ b)`` with W held in fp16 inside FBGEMM's packed layout, x and y float32:
+    ``torch.ops.quantized.linear_dynamic_fp16`` (torch's "dynamic fp16" linear; FBGEMM's
+    ``PackedGemmMatrixFP16``, AVX2 + F16C and AVX-512). The weight rounds to fp16 once (relative
+    error <= 2^-11); products accumulate in fp32. Half the bytes of an fp32 weight, and on the
+    AVX2-only EPYC faster than torch's fp32 ``F.linear`` at every batch size measured (one thread,
+    [M x 576] . [576 x 1536], thread CPU time under load: 0.23 / 0.30 / 0.72 / 2.70 ms at
+    M = 1 / 4 / 16 / 64 against 0.32 / 0.85 / 1.78 / 3.84 ms; ``python scripts/profile_linear.py``).
+
+    x (..., K) any float dtype (computed in fp32, returned in x's dtype) -> y (..., N).
+    Raises RuntimeError where FBGEMM is missing (see ``fp16_gemm_available``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        b = None if bias is None else bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.ops.quantized.linear_dynamic_fp16(x2 if x2.dtype == torch.float32 else x2.float(), self.packed)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 (FBGEMM)"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +179,7 @@ class QuantLinear(nn.Module):
                 self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
         # keep: the original tensor (for a tied lm_head, the embedding itself: no extra memory)
         self.dense_weight = weight.detach() if dense == "keep" else None
+        self.dense_fp16 = Fp16Linear(weight, None) if dense == "fp16" else None  # bias added below
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep") -> "QuantLinear":
@@ -155,7 +200,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, K)
         if x2.shape[0] <= self.max_rows:
             xk = x2.to(KERNEL_DTYPE).contiguous()
             if self.mode == "int8":
@@ -165,10 +210,14 @@ class QuantLinear(nn.Module):
             y = y.to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
+        elif self.dense_fp16 is not None:
+            y = self.dense_fp16(x2)
+            if self.bias is not None:
+                y = y + self.bias
         else:
             w = self.dense_weight if self.dense_weight is not None else self.dequantized_weight().to(x.dtype)
             y = F.linear(x2, w, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
@@ -177,17 +226,21 @@ class QuantLinear(nn.Module):
 
 def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
                      lm_head: str | None = None) -> nn.Module:
-    """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` in place; returns ``model``.
+    """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` / ``Fp16Linear`` in place;
+    returns ``model``.
 
-    mode: ``none`` (no-op), ``int8`` or ``int4`` (the block projections). max_rows: largest input
-    row count served by the packed kernel (default ``DEFAULT_MAX_ROWS[mode]``). dense: ``keep`` |
-    ``dequant`` (weights of the M > max_rows path). lm_head: ``none`` | ``int8`` | ``int4``
-    (default ``DEFAULT_LM_HEAD[mode]``, i.e. int8 for both modes, see below). The embedding is not
-    touched (a tied ``lm_head`` quantizes a copy of its values and, with ``keep``, uses the
-    embedding tensor itself as its dense weight).
+    mode: ``none`` (no-op), ``fp16`` (every projection an ``Fp16Linear``), ``int8`` or ``int4``
+    (the block projections ``QuantLinear``). max_rows: largest input row count served by the
+    packed kernel (default ``DEFAULT_MAX_ROWS[mode]``). dense: ``keep`` | ``dequant`` | ``fp16``
+    (weights of the M > max_rows path; ``fp16``: an ``Fp16Linear`` copy, 2 bytes/parameter).
+    lm_head: ``none`` | ``fp16`` | ``int8`` | ``int4`` (default ``DEFAULT_LM_HEAD[mode]``: int8
+    for both integer modes, see below; fp16 for fp16). The embedding is not touched (a tied
+    ``lm_head`` quantizes a copy of its values and, with ``keep``, uses the embedding tensor itself
+    as its dense weight).
 
-    Raises ValueError for an unknown mode / dense value, a model not on the CPU, or a layer whose
-    in_features is not a multiple of 32 (int4) or 16 (int8).
+    Raises ValueError for an unknown mode / dense value, a model not on the CPU, fp16 without
+    FBGEMM (``fp16_gemm_available``), or a layer whose in_features is not a multiple of 32 (int4)
+    or 16 (int8).
     """
     if mode not in WEIGHT_QUANT_MODES:
         raise ValueError(f"weight quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
@@ -195,34 +248,62 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
         return model
     if dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
+    head = DEFAULT_LM_HEAD[mode] if lm_head is None else lm_head
+    if head not in WEIGHT_QUANT_MODES:
+        raise ValueError(f"lm_head quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {head!r}")
     dev = next(model.parameters()).device
     if dev.type != "cpu":
-        raise ValueError(f"--weight-quant {mode} runs on the CPU only (torch's packed int8/int4 kernels used here "
-                         f"are CPU kernels); the model is on {dev}: use --weight-quant none there")
-    rows = DEFAULT_MAX_ROWS[mode] if max_rows is None else int(max_rows)
+        raise ValueError(f"--weight-quant {mode} runs on the CPU only (torch's packed int8/int4 and FBGEMM fp16 "
+                         f"kernels used here are CPU kernels); the model is on {dev}: use --weight-quant none there")
+    if "fp16" in (mode, dense, head) and not fp16_gemm_available():
+        raise ValueError("fp16 weights need FBGEMM's fp16 GEMM, which this torch build lacks (x86 builds have it); "
+                         "use --weight-quant int8, int4 or none")
+    rows = DEFAULT_MAX_ROWS.get(mode, 0) if max_rows is None else int(max_rows)
     if rows < 0:
         raise ValueError("max_rows must be >= 0")
+
+    def swap(lin: nn.Linear, kind: str) -> nn.Module:
+        if kind == "fp16":
+            return Fp16Linear(lin.weight.data, lin.bias)
+        return QuantLinear.from_linear(lin, kind, rows, dense)
+
     for blk in model.layers:
         for parent in (blk.self_attn, blk.mlp):
             for name in PROJECTIONS:
                 lin = getattr(parent, name, None)
                 if isinstance(lin, nn.Linear):
-                    setattr(parent, name, QuantLinear.from_linear(lin, mode, rows, dense))
-    head = DEFAULT_LM_HEAD[mode] if lm_head is None else lm_head
-    if head not in WEIGHT_QUANT_MODES:
-        raise ValueError(f"lm_head quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {head!r}")
+                    setattr(parent, name, swap(lin, mode))
     if head != "none" and isinstance(model.lm_head, nn.Linear):
-        model.lm_head = QuantLinear.from_linear(model.lm_head, head, rows, dense)
+        model.lm_head = swap(model.lm_head, head)
     return model
 
 
+def parse_weight_format(spec: str) -> tuple[str, str, str | None]:
+    """A weight format written ``MODE[+DENSE][/HEAD]`` (as logged by ``sfcl.model.hardware`` and
+    taken by the profiling scripts) -> (mode, dense, lm_head or None) for ``quantize_weights``:
+    ``int4+fp16/fp16`` = int4 packed kernels up to max_rows, fp16 weights above, fp16 lm_head.
+    Raises ValueError for an unknown part."""
+    body, _, head = spec.partition("/")
+    mode, _, dense = body.partition("+")
+    dense, head = dense or "keep", head or None
+    if mode not in WEIGHT_QUANT_MODES or dense not in DENSE_MODES or (head is not None and head not in WEIGHT_QUANT_MODES):
+        raise ValueError(f"bad weight format {spec!r}: MODE[+DENSE][/HEAD] with MODE and HEAD in "
+                         f"{', '.join(WEIGHT_QUANT_MODES)} and DENSE in {', '.join(DENSE_MODES)}")
+    return mode, dense, head
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held by the linear layers: ``packed`` (kernel weights + scales) and ``dense`` (bf16
-    copies kept for the M > max_rows path, excluding a dense weight shared with the embedding)."""
+    """Bytes held by the linear layers: ``packed`` (kernel weights + scales; fp16 weights of an
+    ``Fp16Linear``) and ``dense`` (copies kept for the M > max_rows path, excluding a dense weight
+    shared with the embedding). An FBGEMM fp16 matrix counts 2 bytes per weight (its padding is
+    not visible from Python)."""
     emb = model.embed_tokens.weight.data_ptr()
     out = {"packed": 0, "dense": 0}
+    fp16_dense = {id(m.dense_fp16) for m in model.modules() if isinstance(m, QuantLinear) and m.dense_fp16 is not None}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, Fp16Linear):
+            out["dense" if id(m) in fp16_dense else "packed"] += 2 * m.in_features * m.out_features
+        elif isinstance(m, QuantLinear):
             out["packed"] += sum(b.numel() * b.element_size() for b in m.buffers())
             if m.dense_weight is not None and m.dense_weight.data_ptr() != emb:
                 out["dense"] += m.dense_weight.numel() * m.dense_weight.element_size()

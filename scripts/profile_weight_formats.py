@@ -1,0 +1,112 @@
+"""Time one engine forward step per weight format, interleaved in one process (no HTTP, no
+scheduler): which format ``sfcl.model.hardware.choose_weight_quant`` should pick on this CPU.
+
+    python scripts/profile_weight_formats.py [--dtype auto] [--batches 1,4,16,32] [--prefill 256]
+        [--formats none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16] [--threads 1] [--reps 12] [--split 4]
+
+A format is ``MODE[+DENSE][/HEAD]`` for ``sfcl.model.quant.quantize_weights(model, MODE, dense=DENSE,
+lm_head=HEAD)``: ``int4+fp16/fp16`` = int4 packed kernels for decode batches of <= max_rows rows,
+FBGEMM fp16 weights above, fp16 lm_head. Each batch size B runs ``LlamaModel.forward_step`` on B
+decode rows attending to ``--length`` cache positions (``--prefill T``: one T-token prompt chunk),
+the formats in turn (ABAB...), ``--reps`` rounds; prints the median wall ms and thread CPU ms
+per step, and each format's ratio to the first. On a shared machine the CPU-time column is the
+steadier one (it still includes cache and memory-bandwidth contention); report ``uptime`` with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: what sfcl serve picks here)")
+    ap.add_argument("--batches", default="1,4,16,32", help="decode batch sizes")
+    ap.add_argument("--prefill", type=int, default=256, help="also time one prompt chunk of this many tokens (0: no)")
+    ap.add_argument("--length", type=int, default=200, help="attended cache positions of the decode rows")
+    ap.add_argument("--split", type=int, default=0,
+                    help="also time 16 decode rows + the --prefill tokens as ONE chunk against the same tokens as "
+                         "SPLIT chunks of different sequences (what per-part attention costs; 0: no)")
+    ap.add_argument("--formats", default="none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=12)
+    a = ap.parse_args(argv)
+
+    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.compiled import dummy_decode_step
+    from sfcl.model.llama import ChunkSpec, StepBatch
+    from sfcl.model.loader import load_model
+    from sfcl.model.quant import parse_weight_format, quantize_weights, weight_bytes
+
+    torch.set_num_threads(a.threads)
+    lm = load_model(None, dtype=a.dtype)
+    models = {}
+    for spec in a.formats.split(","):
+        mode, dense, head = parse_weight_format(spec)
+        models[spec] = quantize_weights(copy.deepcopy(lm.model), mode, dense=dense, lm_head=head)
+    del lm.model
+    batches = [int(b) for b in a.batches.split(",") if b]
+    dtype = next(iter(models.values())).embed_tokens.weight.dtype
+    rows = max(batches + [1, 16 + a.split])
+    kv = KVCache(lm.args, rows, a.length + a.prefill + 8, dtype)
+    kv.ensure_initialized(rows, a.length)
+
+    def decode(model, B):
+        ids = torch.zeros(1, B, dtype=torch.long)
+        return lambda: model.forward_step(ids, dummy_decode_step(B, a.length), kv, lm.args.n_layers * 3 // 4)
+
+    def prefill(model, T):
+        ids = torch.zeros(1, T, dtype=torch.long)
+        step = StepBatch(positions=torch.arange(T), decode=None, chunks=[ChunkSpec(0, 0, 0, T, True)],
+                         sample_index=torch.tensor([T - 1]))
+        return lambda: model.forward_step(ids, step, kv, lm.args.n_layers * 3 // 4)
+
+    def mixed(model, parts: int):  # 16 decode rows (rows 0-15) + prefill tokens in `parts` chunks (rows 16+)
+        T, B = a.prefill, 16
+        dec = dummy_decode_step(B, a.length)
+        n = T // parts
+        chunks = [ChunkSpec(B + i, 0, B + i * n, n, True) for i in range(parts)]
+        step = StepBatch(positions=torch.cat([dec.positions] + [torch.arange(n)] * parts), decode=dec.decode,
+                         chunks=chunks, sample_index=torch.tensor(list(range(B)) + [B + (i + 1) * n - 1 for i in range(parts)]))
+        ids = torch.zeros(1, B + n * parts, dtype=torch.long)
+        return lambda: model.forward_step(ids, step, kv, lm.args.n_layers * 3 // 4)
+
+    cases = [(f"decode B={b}", {s: decode(m, b) for s, m in models.items()}) for b in batches]
+    if a.prefill:
+        cases.append((f"prefill T={a.prefill}", {s: prefill(m, a.prefill) for s, m in models.items()}))
+    if a.split:
+        m0 = next(iter(models.values()))
+        cases.append((f"16 decode rows + {a.prefill} prompt tokens as 1 chunk vs {a.split} chunks",
+                      {"1 chunk": mixed(m0, 1), f"{a.split} chunks": mixed(m0, a.split)}))
+    print(f"{dtype} model, {a.threads} thread(s), CPU {torch.backends.cpu.get_cpu_capability()}; "
+          f"linear MiB (packed+dense): " + ", ".join(
+              f"{s} {sum(weight_bytes(m).values()) / 2**20:.0f}" for s, m in models.items()), flush=True)
+    with torch.no_grad():
+        for name, fns in cases:
+            wall = {s: [] for s in fns}
+            cpu = {s: [] for s in fns}
+            for f in fns.values():
+                f()  # warm-up
+            for _ in range(a.reps):
+                for s, f in fns.items():
+                    t, c = time.perf_counter(), time.thread_time()
+                    f()
+                    cpu[s].append(time.thread_time() - c)
+                    wall[s].append(time.perf_counter() - t)
+            first = next(iter(fns))
+            m0w, m0c = statistics.median(wall[first]), statistics.median(cpu[first])
+            print(f"{name}: " + " | ".join(
+                f"{s} {statistics.median(wall[s]) * 1e3:.1f} ms wall ({statistics.median(wall[s]) / m0w:.2f}x), "
+                f"{statistics.median(cpu[s]) * 1e3:.1f} ms CPU ({statistics.median(cpu[s]) / m0c:.2f}x)"
+                for s in fns), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
