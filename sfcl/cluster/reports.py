@@ -76,8 +76,9 @@ def cluster_health(info: ReplicaInfo, reports: list[ReplicaReport], router: str)
     if not reports:
         raise RuntimeError("no engine replica has reported recently")
     now = time.time()
-    replicas = [{"replica": r.replica, "actor_name": r.actor_name, "report_age_s": round(max(0.0, now - r.sent_at), 2),
-                 **r.health} for r in sorted(reports, key=lambda r: r.replica)]
+    replicas = [{"replica": r.replica, "actor_name": r.actor_name, "reported_at": r.sent_at,
+                 "report_age_s": round(max(0.0, now - r.sent_at), 2), **r.health}
+                for r in sorted(reports, key=lambda r: r.replica)]
     return {"model": info.model_name, "max_model_len": info.max_model_len,
             "snapshots_available": info.snapshots_available, "router": router, "n_replicas": len(replicas),
             "running": sum(int(r.get("running", 0)) for r in replicas),
