@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
+from pathlib import Path
 
 from sfcl.cluster.config import ClusterConfig
 from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
@@ -48,6 +50,17 @@ class HubCollector:
         return merge_families(reports)
 
 
+def absolute_paths(mcfg: ModelConfig, scfg: SnapshotConfig) -> tuple[ModelConfig, SnapshotConfig]:
+    """Relative paths made absolute: replicas run in other processes (and, on a cluster, other
+    machines that mount the same paths), whose working directory is not this one's."""
+    def resolve(p: str | None) -> str | None:
+        return str(Path(p).expanduser().resolve()) if p and Path(p).expanduser().exists() else p
+
+    return (replace(mcfg, model=resolve(mcfg.model)),
+            replace(scfg, anchors=resolve(scfg.anchors), keyword_boost=resolve(scfg.keyword_boost),
+                    cache_dir=scfg.cache_dir.expanduser().resolve()))
+
+
 def serve_cluster(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, cluster: ClusterConfig, *,
                   host: str, port: int, api_key: str | None, metrics_port: int | None = None,
                   shutdown_timeout_s: float = 30.0) -> int:
@@ -74,6 +87,7 @@ def serve_cluster(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, c
     try:
         serve.start(http_options=HTTPOptions(host=host, port=port),
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
+        mcfg, scfg = absolute_paths(mcfg, scfg)
         settings = IngressSettings(api_key=api_key, default_snapshot_mode=scfg.default_mode)
         app = build_app(mcfg, ecfg, scfg, cluster, settings, shutdown_timeout_s)
         cluster_log(f"deploying {cluster.replicas} engine replica(s) ({cluster.router} router); "
