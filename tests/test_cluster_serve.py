@@ -271,6 +271,22 @@ def generated_tokens(url: str) -> float:
                if s.name == "sfcl_generation_tokens_total")
 
 
+def test_cluster_metrics_per_replica_on_the_endpoint_and_the_metrics_port_collector(cluster):
+    """/metrics of the cluster and `--metrics-port`'s collector: every replica's series, label replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sfcl.cluster.launch import HubCollector
+
+    replicas = set(by_replica(fresh_health(cluster.url, time.time(), n_replicas=2)))
+    text = httpx.get(cluster.url + "/metrics", timeout=30).text
+    labelled = {s.labels.get("replica") for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "sfcl_engine_steps_total"}
+    assert labelled == replicas
+    families = HubCollector(serve.get_deployment_handle("ReportHub", app_name="sfcl")).collect()
+    steps = next(f for f in families if f.name == "sfcl_engine_steps")
+    assert {s.labels["replica"] for s in steps.samples if s.name == "sfcl_engine_steps_total"} == replicas
+
+
 def test_killing_a_replica_mid_run(cluster):
     url = cluster.url
     prompts = [f"Ref kill-{i}. Describe a {w} in two sentences." for i, w in enumerate(("river", "forest"))]
