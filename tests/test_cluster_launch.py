@@ -24,3 +24,16 @@ def test_local_relative_paths_become_absolute(tmp_path, monkeypatch):
 def test_worker_logs_reach_this_process_without_rays_prefix():
     """stdout must stay one bare JSON object per line (the ingress's request log)."""
     assert RAY_LOG_ENV["RAY_DISABLE_WORKER_LOG_PREFIX"] == "1" and RAY_LOG_ENV["RAY_DEDUP_LOGS"] == "0"
+
+
+def test_replicas_that_a_local_cluster_cannot_schedule_are_refused():
+    import pytest
+
+    from sfcl.cluster.config import ClusterConfig
+    from sfcl.cluster.launch import check_local_resources
+
+    check_local_resources(ClusterConfig(replicas=4, replica_cpus=0.5), {"CPU": 2.0})  # fits exactly
+    with pytest.raises(ValueError, match="need 4 CPUs"):
+        check_local_resources(ClusterConfig(replicas=2, replica_cpus=2), {"CPU": 2.0})
+    with pytest.raises(ValueError, match="GPU"):
+        check_local_resources(ClusterConfig(replicas=2, replica_gpus=1), {"CPU": 16.0, "GPU": 1.0})

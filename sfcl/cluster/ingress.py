@@ -121,7 +121,7 @@ class ClusterEngine:
                     call.cancel()
 
     async def health(self) -> dict:
-        return cluster_health(self.info, await self._hub.collect.remote(), self.router)
+        return cluster_health(self.info, await self._hub.collect.remote(metrics=False), self.router)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)

@@ -61,6 +61,18 @@ def absolute_paths(mcfg: ModelConfig, scfg: SnapshotConfig) -> tuple[ModelConfig
                     cache_dir=scfg.cache_dir.expanduser().resolve()))
 
 
+def check_local_resources(cluster: ClusterConfig, resources: dict) -> None:
+    """A local cluster cannot add machines: refuse replicas that would never be scheduled (Serve
+    would wait for them forever). Raises ValueError with what fits."""
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    need_cpu, need_gpu = cluster.replicas * cluster.replica_cpus, cluster.replicas * cluster.replica_gpus
+    if need_cpu > cpus + 1e-9 or need_gpu > gpus + 1e-9:
+        raise ValueError(f"{cluster.replicas} replicas x {cluster.replica_cpus:g} CPU / {cluster.replica_gpus:g} GPU "
+                         f"need {need_cpu:g} CPUs and {need_gpu:g} GPUs; this machine's local Ray cluster has "
+                         f"{cpus:g} and {gpus:g}: lower --replica-cpus / --replica-gpus or --replicas, or join a "
+                         "larger cluster with --ray-address")
+
+
 def serve_cluster(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, cluster: ClusterConfig, *,
                   host: str, port: int, api_key: str | None, metrics_port: int | None = None,
                   shutdown_timeout_s: float = 30.0) -> int:
@@ -81,6 +93,8 @@ def serve_cluster(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, c
     if started_ray:
         ray.init(address=cluster.ray_address, logging_level=logging.WARNING, include_dashboard=False,
                  log_to_driver=True)
+    if started_ray and cluster.ray_address is None:
+        check_local_resources(cluster, ray.cluster_resources())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

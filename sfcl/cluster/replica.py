@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray import serve
@@ -48,13 +48,15 @@ class ReportHub:
     def push(self, report: ReplicaReport) -> None:
         self._reports[report.replica] = (time.monotonic(), report)
 
-    def collect(self) -> list[ReplicaReport]:
-        """Reports of the replicas that reported within 3 of their intervals (+2 s of slack)."""
+    def collect(self, metrics: bool = True) -> list[ReplicaReport]:
+        """Reports of the replicas that reported within 3 of their intervals (+2 s of slack);
+        metrics=False leaves out the metric families (``/health`` needs none)."""
         now = time.monotonic()
         for replica, (at, rep) in list(self._reports.items()):
             if now - at > 3 * rep.interval_s + 2.0:
                 del self._reports[replica]
-        return [rep for _, rep in self._reports.values()]
+        reports = [rep for _, rep in self._reports.values()]
+        return reports if metrics else [replace(rep, families=[]) for rep in reports]
 
 
 @serve.deployment
