@@ -13,6 +13,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from sfcl.cluster.reports import ReplicaReport, render_metrics
 from sfcl.engine.engine import StepStats
 from sfcl.engine.events import AnchorHit, ErrorEvent, Finished, SnapshotEvent
 from sfcl.metrics import PrometheusStatLogger
@@ -28,7 +29,7 @@ PROMQL_WORDS = {
     "sum", "avg", "min", "max", "count", "rate", "irate", "increase", "histogram_quantile", "by",
     "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset",
     "label_replace", "clamp_min", "clamp_max", "topk", "bottomk", "label_values", "abs",
-    "__rate_interval", "__interval", "__range", "tag",  # $tag is the dashboard variable
+    "__rate_interval", "__interval", "__range", "tag", "replica",  # $tag, $replica: dashboard variables
 }
 SERIES_PANELS = {"timeseries", "stat", "heatmap", "gauge", "bargauge", "table"}
 
@@ -64,10 +65,13 @@ def exported() -> dict[str, set[str]]:
     eng.metrics = m
     with serve_in_thread(create_app(eng, api_key="k")) as url:
         text = httpx.get(url + "/metrics", headers={"authorization": "Bearer k"}).text
+    # the same series as `sfcl serve --replicas N` exports them: one per engine replica, label `replica`
+    cluster = render_metrics([ReplicaReport("r1", "SERVE_REPLICA::r1", 1.0, {}, list(m.registry.collect()))])
     names: dict[str, set[str]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:  # sample names carry the _total/_bucket/_sum/_count suffixes
-            names.setdefault(s.name, set()).update(s.labels)
+    for exposition in (text, cluster.decode()):
+        for fam in text_string_to_metric_families(exposition):
+            for s in fam.samples:  # sample names carry the _total/_bucket/_sum/_count suffixes
+                names.setdefault(s.name, set()).update(s.labels)
     return names
 
 
@@ -149,6 +153,20 @@ def test_every_query_names_exported_series(dashboard, exported):
     exprs = [e for _, e in targets(dashboard)]
     assert any('tag="high-risk"' in e and "histogram_quantile(0.99" in e for e in exprs)
     assert any("by (trigger)" in e and "* 60" in e for e in exprs)  # trigger rate per minute
+
+
+def test_every_series_can_be_narrowed_to_one_replica(dashboard):
+    """One added variable, `replica`: all of a cluster's replicas by default, which also matches a
+    single server's series (they have no `replica` label, and ".*" matches the empty value)."""
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    rep = variables["replica"]
+    assert rep["includeAll"] and rep["allValue"] == ".*" and "replica" in rep["query"]["query"]
+    for p, expr in targets(dashboard):
+        if "name" in p:  # template variables list label values, they select no panel data
+            continue
+        selectors, _, _ = parse_promql(expr)
+        assert selectors and all("replica" in labels for _, labels in selectors), (p.get("title"), expr)
+        assert expr.count('replica=~"$replica"') == len(selectors)
 
 
 def test_promql_parser_catches_unknown_names(exported):

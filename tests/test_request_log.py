@@ -1,4 +1,4 @@
-"""The JSON request log (sfcl.server.common.RequestLog): a client that disconnects mid-stream is
+"""The JSON request log (sfcl.server.request_log.RequestLog): a client that disconnects mid-stream is
 logged with the tokens generated before it left, not 0."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from sfcl.server.common import RequestLog
+from sfcl.server.request_log import RequestLog
 from sfcl.server.testing import FakeEngine
 
 USER = [{"role": "user", "content": "hi"}]

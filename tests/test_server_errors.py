@@ -229,7 +229,7 @@ def test_seed_out_of_range(serve):
 def test_tiny_temperature_and_top_p_are_clamped_to_their_greedy_limit(serve):
     """0 < temperature < 1e-5 (and top_p < 1e-6) broke the sampler's float32 math: the engine step
     failed for every request in the batch. They are sampled as their greedy limit instead."""
-    from sfcl.server.common import MIN_TOP_P
+    from sfcl.server.parsing import MIN_TOP_P
     url, engine = serve()
     assert post(url, O, o_body(temperature=1e-320, max_tokens=3)).status_code == 200
     assert post(url, A, a_body(temperature=5e-324)).status_code == 200

@@ -28,6 +28,39 @@ def add_parser(sub) -> None:
                         "\"kinds\": [\"domain\"], \"multiplier\": 1.5}")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open streams may run after SIGTERM before they are ended with a stop event")
+    # -- scale-out on Ray Serve (sfcl.cluster; extra sfcl[ray]); docs/scale-out.md --------------
+    r = s.add_argument_group("scale-out (Ray Serve)")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="serve through Ray Serve with this many engine replicas (each its own model copy) behind "
+                        "one endpoint, routed by prefix-cache affinity; unset: a single in-process engine")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or ray://HOST:10001) instead of starting a local one")
+    r.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscaling lower bound (default: --replicas); autoscaling is on when it differs from --max-replicas")
+    r.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound (default: --replicas)")
+    r.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target of ongoing requests per replica (default: 3/4 of --max-num-seqs)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="requests one replica takes at once; more wait in the ingress (default: 2 x --max-num-seqs)")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray CPUs per engine replica (its torch threads default to this)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per engine replica (1: one GPU each, on cuda)")
+    r.add_argument("--router", default="affinity", choices=["affinity", "pow2"],
+                   help="affinity: the replica holding the longest cached prefix of the prompt, else the less loaded "
+                        "of two random ones; pow2: Ray Serve's power of two choices only")
+    r.add_argument("--max-queue-gap", type=int, default=4,
+                   help="affinity: skip the prefix holder when it has this many more ongoing requests than the least "
+                        "loaded replica")
+    r.add_argument("--min-match-ratio", type=float, default=0.5,
+                   help="affinity: follow the prefix holder only when it holds more than this share of the prompt's "
+                        "KV blocks (a shared chat-template header alone does not count)")
+    r.add_argument("--routed-ttl", type=float, default=60.0,
+                   help="affinity: seconds the router trusts its own record of where it sent a prefix; the replicas' "
+                        "reports (every --report-interval) cover the rest")
+    r.add_argument("--report-interval", type=float, default=2.0,
+                   help="seconds between replica reports (prefix holdings, health, metrics)")
+    r.add_argument("--app-name", default="sfcl", help="Ray Serve application name")
+    r.add_argument("--route-prefix", default="/", help="HTTP path prefix of the application on the Ray Serve proxy")
     s.set_defaults(fn=cmd_serve)
 
 
@@ -42,8 +75,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from sfcl.snapshot.boost import load_rules
 
         load_rules(sc.keyword_boost)  # a bad rule file fails before the model loads (ValueError: exit 2)
-    built = build_engine(mc, ec, sc)
     api_key = a.api_key or os.environ.get("SFCL_API_KEY") or None
+    if a.replicas is not None:  # scale-out on Ray Serve (sfcl.cluster)
+        from sfcl.cluster.config import ClusterConfig
+        from sfcl.cluster.launch import serve_cluster
+
+        cluster = ClusterConfig(
+            replicas=a.replicas, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+            target_ongoing_requests=a.target_ongoing_requests, max_ongoing_requests=a.max_ongoing_requests,
+            replica_cpus=a.replica_cpus, replica_gpus=a.replica_gpus, router=a.router,
+            max_queue_gap=a.max_queue_gap, min_match_ratio=a.min_match_ratio, routed_ttl_s=a.routed_ttl,
+            report_interval_s=a.report_interval, ray_address=a.ray_address, app_name=a.app_name,
+            route_prefix=a.route_prefix)
+        return serve_cluster(mc, ec, sc, cluster, host=a.host, port=a.port, api_key=api_key,
+                             metrics_port=a.metrics_port, shutdown_timeout_s=a.shutdown_timeout)
+    built = build_engine(mc, ec, sc)
     app = create_app(built.engine, api_key=api_key, default_snapshot_mode=sc.default_mode)
     if a.metrics_port:
         from prometheus_client import start_http_server

@@ -54,6 +54,25 @@ def _encode_chat_locked(tok, msgs: list[dict], contents: list[str], nonce: str) 
     return ids
 
 
+def encode_chat(tokenizer, messages: list[dict], system: str | None = None) -> list[int]:
+    """Chat template (generation prompt added) -> token ids, with message text that can never
+    become a control token: a client's ``<|im_start|>`` stays plain text.
+
+    Each message's content is rendered as a unique sentinel, the rendered template is split at
+    the sentinels, template pieces are tokenized with special tokens and content pieces with
+    ``split_special_tokens=True``. Module level so that a process holding only the tokenizer
+    (the Ray Serve ingress, ``sfcl.cluster``) tokenizes exactly as the engine's owner does.
+    """
+    msgs = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
+    nonce = uuid.uuid4().hex[:12]
+    contents = []
+    for i, m in enumerate(msgs):
+        contents.append(str(m.get("content", "")))
+        m["content"] = f"\ue000{nonce}:{i}\ue001"
+    with _TOKENIZE_LOCK:
+        return _encode_chat_locked(tokenizer, msgs, contents, nonce)
+
+
 Sink = Callable[[EngineEvent], None]
 
 
@@ -166,6 +185,8 @@ class EngineThread:
                 fut.set_exception(e)
         elif cmd[0] == "finish_all":
             self._emit(self.engine.finish_all())
+        elif cmd[0] == "ping":  # health check: answered between two steps, so a stuck step shows
+            cmd[1].set_result(self.steps)
         elif cmd[0] == "abort":
             self.sinks.pop(cmd[1], None)
             self.engine.abort(cmd[1])
@@ -291,21 +312,8 @@ class AsyncEngine:
             return {**self._set_library_info(lib), "previous_version": prev}
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
-        """Chat template (generation prompt added) -> token ids, with message text that can never
-        become a control token: a client's ``<|im_start|>`` stays plain text.
-
-        Each message's content is rendered as a unique sentinel, the rendered template is split at
-        the sentinels, template pieces are tokenized with special tokens and content pieces with
-        ``split_special_tokens=True``.
-        """
-        msgs = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in messages]
-        nonce = uuid.uuid4().hex[:12]
-        contents = []
-        for i, m in enumerate(msgs):
-            contents.append(str(m.get("content", "")))
-            m["content"] = f"\ue000{nonce}:{i}\ue001"
-        with _TOKENIZE_LOCK:
-            return _encode_chat_locked(self.tokenizer, msgs, contents, nonce)
+        """See ``encode_chat`` (module level) with this engine's tokenizer."""
+        return encode_chat(self.tokenizer, messages, system)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[EngineEvent]:
@@ -339,6 +347,16 @@ class AsyncEngine:
 
     def finish_all(self) -> None:
         self.thread.finish_all()
+
+    async def check_engine_thread(self, timeout_s: float = 20.0) -> int:
+        """Health check of the engine thread itself (not only the event loop): it must be alive and
+        answer a ping between two steps within ``timeout_s``. Returns the steps run so far.
+        Raises RuntimeError (thread gone) or TimeoutError (a step ran longer than ``timeout_s``)."""
+        if not self.thread.thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
+        fut: cf.Future = cf.Future()
+        self.thread.inbox.put(("ping", fut))
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
 
     def shutdown(self) -> None:
         self.thread.stop()

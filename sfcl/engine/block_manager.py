@@ -72,6 +72,11 @@ class PrefixCache:
     def num_free(self) -> int:
         return len(self.lru)
 
+    def cached_hashes(self) -> list[int]:
+        """Hashes of the blocks whose content is written (matchable now). Safe to call from another
+        thread than the owner's: the dict is copied in one C-level step before filtering."""
+        return [h for h, bid in self.by_hash.copy().items() if self.blocks[bid].ready]
+
     def match(self, hashes: list[int], token_ids: list[int]) -> list[int]:
         """Longest chain of ready cached blocks for a prompt; references them. Returns block ids
         (block i of the result holds prompt tokens [i*bs, (i+1)*bs)). Counts queries/hits."""

@@ -17,21 +17,18 @@ Only text content is supported. A final assistant message (prefill) is rejected:
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
-from starlette.responses import JSONResponse, Response
 
-from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
-from sfcl.engine.protocol import EngineBusyError, EngineClient
-from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
-                                check_model, collect, encode_prompt, engine_error, make_params,
-                                new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                resolve_steer, snapshot_dict, start_generation)
-from sfcl.server.errors import ApiError, anthropic_type_for, jsonable, log
-from sfcl.server.sse import named_event, sse_response
+from sfcl.engine.events import Finished, SnapshotEvent
+from sfcl.engine.protocol import EngineClient
+from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
+from sfcl.server.generation import Collected, snapshot_dict
+from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
+from sfcl.server.sse import named_event
 
 router = APIRouter()
 ROUTE = "/v1/messages"
@@ -128,151 +125,75 @@ def message_object(rid: str, model: str, text: str, stop_reason: str | None,
     }
 
 
-def _error_frame(error_type: str, message: str) -> ServerSentEvent:
-    return named_event("error", {"error": {"type": error_type, "message": message}})
+class MessagesFraming(Framing):
+    """``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``...,
+    ``snapshot_triggered`` (``id:`` = snapshot id), ``content_block_stop``, ``message_delta``,
+    ``message_stop``; an ``error`` event ends a failed stream."""
 
+    busy_message = "Overloaded"
 
-async def stream_frames(request: Request, rid: str, events: EngineEvents, first: Any,
-                        prompt_len: int, rlog: RequestLog) -> AsyncIterator[ServerSentEvent]:
-    """The SSE frames of one streamed message."""
-    engine: EngineClient = request.app.state.engine
-    ping_s: float = request.app.state.ping_interval_s
-    prompt_tokens = first.prompt_tokens if isinstance(first, Started) else prompt_len
-    rlog.prompt_tokens = prompt_tokens
-    done = False
-    try:
-        start = message_object(rid, engine.model_name, "", None, None, prompt_tokens, 0)
-        yield named_event("message_start", {"message": start})
-        yield named_event("content_block_start",
-                          {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield named_event("ping")
-        ev = first
-        while True:
-            if ev is KEEPALIVE:
-                yield named_event("ping")
-            elif ev is None:
-                ev = ErrorEvent("engine stream ended without a result", "api_error")
-                continue
-            elif isinstance(ev, TextDelta):
-                rlog.token_seen(ev.token_index)
-                if ev.text:
-                    yield named_event("content_block_delta", {
-                        "index": 0, "delta": {"type": "text_delta", "text": ev.text}})
-            elif isinstance(ev, SnapshotEvent):
-                snap = snapshot_dict(ev)
-                rlog.snapshots += 1
-                rlog.token_seen(ev.token_index)
-                yield named_event("snapshot_triggered", snap, id=ev.snapshot_id)
-            elif isinstance(ev, Finished):
-                rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms
-                rlog.stop_reason = ev.stop_reason
-                if ev.stop_reason == "aborted":
-                    ev = ErrorEvent("generation was aborted by the server", "api_error")
-                    continue
-                yield named_event("content_block_stop", {"index": 0})
-                yield named_event("message_delta", {
+    def __init__(self, rid: str, model: str, prompt_tokens: int):
+        self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
+
+    def opening(self) -> list[ServerSentEvent]:
+        start = message_object(self.rid, self.model, "", None, None, self.prompt_tokens, 0)
+        return [named_event("message_start", {"message": start}),
+                named_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+                named_event("ping")]
+
+    def keepalive(self) -> ServerSentEvent:
+        return named_event("ping")
+
+    def text(self, text: str) -> ServerSentEvent:
+        return named_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+
+    def snapshot(self, ev: SnapshotEvent) -> ServerSentEvent:
+        return named_event("snapshot_triggered", snapshot_dict(ev), id=ev.snapshot_id)
+
+    def finish(self, ev: Finished) -> list[ServerSentEvent]:
+        return [named_event("content_block_stop", {"index": 0}),
+                named_event("message_delta", {
                     "delta": {"stop_reason": ev.stop_reason, "stop_sequence": ev.stop_sequence},
                     "usage": {"output_tokens": ev.completion_tokens},
-                    "sfcl": {"snapshots": jsonable(ev.snapshot_summary)},
-                })
-                yield named_event("message_stop")
-                done = True
-                break
-            elif isinstance(ev, ErrorEvent):
-                rlog.error = ev.type
-                done = True
-                yield _error_frame(ev.type, ev.message)
-                break
-            # Started (already used for message_start) and unknown events: nothing to send
-            try:
-                ev = await events.next(ping_s)
-            except EngineBusyError:
-                ev = ErrorEvent("Overloaded", "overloaded_error")
-    except Exception:
-        log.exception("error while streaming %s", rid)
-        rlog.error, done = "api_error", True
-        yield _error_frame("api_error", "Internal server error")
-    finally:
-        await events.aclose()
-        if not done:
-            rlog.status, rlog.error = 499, "client_closed"
-        rlog.write()
+                    "sfcl": {"snapshots": jsonable(ev.snapshot_summary)}}),
+                named_event("message_stop")]
+
+    def error(self, error_type: str, message: str) -> ServerSentEvent:
+        return named_event("error", {"error": {"type": error_type, "message": message}})
 
 
-@router.post(ROUTE)
-async def create_message(request: Request) -> Response:
-    rid = new_id("msg_")
-    rlog = RequestLog(rid, ROUTE)
-    streaming = False
-    try:
-        response = await _create_message(request, rid, rlog)
-        streaming = rlog.stream
-        return response
-    except ApiError as e:
-        rlog.status, rlog.error = e.status, e.type or anthropic_type_for(e.status)
-        raise
-    except Exception:
-        rlog.status, rlog.error = 500, "api_error"
-        raise
-    finally:
-        if not streaming:
-            rlog.write()
+class MessagesApi(ApiAdapter):
+    route = ROUTE
+    openai = False
+    id_prefix = "msg_"
+    id_header = "request-id"
+    request_model = MessagesRequest
+
+    def error_name(self, e: ApiError) -> str:
+        return e.type or anthropic_type_for(e.status)
+
+    def prepare(self, req: MessagesRequest) -> Prompt:
+        messages = to_engine_messages(req)
+        system = _text(req.system) or None
+        if any(s == "" for s in req.stop_sequences or []):
+            raise ApiError(400, "stop_sequences: stop sequences must be non-empty strings",
+                           param="stop_sequences")
+        return Prompt(messages, system, list(req.stop_sequences or []), seed=None,
+                      requested_max_tokens=req.max_tokens)
+
+    def max_tokens(self, engine: EngineClient, req: MessagesRequest, prompt_len: int) -> int:
+        check_context(engine, prompt_len, req.max_tokens)
+        return req.max_tokens
+
+    def framing(self, request: Request, rid: str, req: MessagesRequest, prompt_tokens: int) -> Framing:
+        return MessagesFraming(rid, request.app.state.engine.model_name, prompt_tokens)
+
+    def body(self, rid: str, engine: EngineClient, got: Collected, fin: Finished, prompt_tokens: int) -> dict:
+        body = message_object(rid, engine.model_name, got.text, fin.stop_reason, fin.stop_sequence,
+                              prompt_tokens, fin.completion_tokens)
+        body["sfcl"] = {"snapshots": jsonable(fin.snapshot_summary), "snapshot_events": got.snapshots}
+        return body
 
 
-async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Response:
-    engine: EngineClient = request.app.state.engine
-    check_api_key(request, openai=False)
-    req: MessagesRequest = parse_model(MessagesRequest, await read_json(request))
-    mode = resolve_snapshot_mode(request, req.snapshot_mode)
-    check_model(engine, req.model, openai=False)
-    messages = to_engine_messages(req)
-    system = _text(req.system) or None
-    if any(s == "" for s in req.stop_sequences or []):
-        raise ApiError(400, "stop_sequences: stop sequences must be non-empty strings",
-                       param="stop_sequences")
-    rlog.tag = resolve_tag(request)
-    params = make_params(
-        max_tokens=req.max_tokens,
-        temperature=request.app.state.default_temperature if req.temperature is None
-        else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        stop=list(req.stop_sequences or []), seed=None, snapshot_mode=mode, tag=rlog.tag,
-        steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
-    prompt_ids = await encode_prompt(engine, messages, system)
-    check_context(engine, len(prompt_ids), req.max_tokens)
-    rlog.prompt_tokens = len(prompt_ids)
-    ping_s: float = request.app.state.ping_interval_s
-    headers = {"request-id": rid}
-
-    events, first = await start_generation(request, prompt_ids, params, rid, openai=False,
-                                           wait_s=ping_s)
-    if req.stream:
-        rlog.stream = True
-
-        async def on_close() -> None:
-            await events.aclose()
-            rlog.write()
-
-        frames = stream_frames(request, rid, events, first, len(prompt_ids), rlog)
-        return sse_response(frames, headers=headers, on_close=on_close)
-
-    try:
-        got = await collect(request, events, first, rlog, ping_s)
-    except ClientGone:
-        rlog.status, rlog.error = 499, "client_closed"
-        return Response(status_code=499)
-    finally:
-        await events.aclose()
-    if got.finished is not None and got.finished.stop_reason == "aborted":
-        got.error = ErrorEvent("generation was aborted by the server", "api_error")
-    if got.error is not None:
-        raise engine_error(got.error, openai=False)
-    fin = got.finished
-    assert fin is not None
-    rlog.prompt_tokens = got.prompt_tokens or fin.prompt_tokens or len(prompt_ids)
-    rlog.completion_tokens, rlog.ttft_ms, rlog.stop_reason = (
-        fin.completion_tokens, fin.ttft_ms, fin.stop_reason)
-    body = message_object(rid, engine.model_name, got.text, fin.stop_reason, fin.stop_sequence,
-                          rlog.prompt_tokens, fin.completion_tokens)
-    body["sfcl"] = {"snapshots": jsonable(fin.snapshot_summary), "snapshot_events": got.snapshots}
-    return JSONResponse(body, headers=headers)
+MESSAGES = MessagesApi()
+router.add_api_route(ROUTE, generation_route(MESSAGES), methods=["POST"], name="create_message")

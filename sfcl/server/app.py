@@ -5,7 +5,8 @@ Routes:
   POST /v1/chat/completions  OpenAI Chat Completions (``sfcl.server.openai_api``)
   GET  /v1/models[/{id}]     model list (OpenAI format; Anthropic format when the client sends
                              ``anthropic-version``)
-  GET  /health               ``engine.health()`` + ``"status": "ok"`` (never needs the API key)
+  GET  /health               ``engine.health()`` + ``"status": "ok"`` (never needs the API key);
+                             ``health()`` and ``metrics.render()`` may be coroutines
   GET  /metrics              Prometheus exposition (``sfcl.metrics``)
   GET  /dashboard[/data]     built-in live dashboard and its JSON (``sfcl.server.dashboard``)
   POST /admin/anchors/reload  swap in an anchor library (body optional: {"path": DIR}); in-flight
@@ -19,6 +20,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import time
 from datetime import datetime, timezone
 
@@ -29,10 +31,12 @@ from starlette.responses import JSONResponse, Response
 from sfcl.engine.events import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
-from sfcl.server.common import check_api_key, read_json, setup_request_logger
+from sfcl.server.auth import check_api_key
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
+from sfcl.server.parsing import read_json
+from sfcl.server.request_log import setup_request_logger
 
 
 def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interval_s: float = 5.0,
@@ -69,7 +73,10 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            details = dict(engine.health())
+            details = engine.health()
+            if inspect.isawaitable(details):  # an engine in other processes (sfcl.cluster) asks them
+                details = await details
+            details = dict(details)
         except Exception as e:  # an engine that cannot report is not ready
             log.exception("engine.health() failed")
             return JSONResponse({"status": "error", "error": type(e).__name__}, status_code=503)
@@ -109,7 +116,10 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         m = getattr(engine, "metrics", None)
         if m is None:
             raise ApiError(404, "this engine exports no metrics")
-        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = m.render()
+        if inspect.isawaitable(body):  # sfcl.cluster: the replicas' series, gathered on request
+            body = await body
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/admin/anchors/reload", include_in_schema=False)
     async def reload_anchors(request: Request) -> JSONResponse:

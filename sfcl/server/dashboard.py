@@ -1,7 +1,7 @@
 """The built-in live dashboard: ``GET /dashboard`` (a self-contained HTML page) and
 ``GET /dashboard/data`` (its JSON), for operators without Prometheus and Grafana.
 
-Data comes from the server itself: ``start_generation`` (``sfcl.server.common``) attaches an
+Data comes from the server itself: ``start_generation`` (``sfcl.server.generation``) attaches an
 observer from ``DashboardRecorder.observer`` to each request's engine stream, so every event the
 HTTP layer reads is also seen here, on the event loop (no locks; nothing touches the engine).
 Everything kept is bounded: per-interval snapshot counts for a sliding window
@@ -35,7 +35,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import HTMLResponse, JSONResponse
 
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, TextDelta
-from sfcl.server.common import check_api_key
+from sfcl.server.auth import check_api_key
 from sfcl.server.errors import error_style
 
 N_BUCKETS = 32  # anchor-id ranges on the heatmap's y axis (as sfcl.metrics.N_ANCHOR_BUCKETS)

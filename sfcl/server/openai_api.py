@@ -15,22 +15,18 @@ carry ``sfcl``.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
-from starlette.responses import JSONResponse, Response
 
-from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
-from sfcl.engine.protocol import EngineBusyError, EngineClient
-from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
-                                check_model, collect, encode_prompt, engine_error, make_params,
-                                new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                resolve_steer, snapshot_dict, start_generation)
-from sfcl.server.errors import (ANTHROPIC_STATUS, ApiError, jsonable, log, openai_error_body,
-                                openai_type_for)
-from sfcl.server.sse import DONE, comment_event, data_event, sse_response
+from sfcl.engine.events import Finished, SnapshotEvent
+from sfcl.engine.protocol import EngineClient
+from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
+from sfcl.server.generation import Collected, snapshot_dict
+from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
+from sfcl.server.sse import DONE, comment_event, data_event
 
 router = APIRouter()
 ROUTE = "/v1/chat/completions"
@@ -112,163 +108,87 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _error_chunk(error_type: str, message: str) -> ServerSentEvent:
-    status = ANTHROPIC_STATUS.get(error_type, 500)
-    return data_event(openai_error_body(message, type=openai_type_for(status), code=error_type))
+class ChunkFraming(Framing):
+    """``data: {chat.completion.chunk}`` frames: role chunk, content chunks, snapshot chunks
+    (empty delta + ``sfcl_snapshot``), finish chunk, usage chunk when asked, ``data: [DONE]``;
+    keepalive ``: ping``; an error ends the stream as ``data: {"error": ...}`` without [DONE]."""
 
+    busy_message = "The server is overloaded; retry later."
 
-async def stream_frames(request: Request, rid: str, events: EngineEvents, first: Any,
-                        prompt_len: int, include_usage: bool,
-                        rlog: RequestLog) -> AsyncIterator[ServerSentEvent]:
-    engine: EngineClient = request.app.state.engine
-    ping_s: float = request.app.state.ping_interval_s
-    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": engine.model_name}
-    prompt_tokens = first.prompt_tokens if isinstance(first, Started) else prompt_len
-    rlog.prompt_tokens = prompt_tokens
+    def __init__(self, rid: str, model: str, prompt_tokens: int, include_usage: bool):
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> ServerSentEvent:
-        body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": finish_reason}]}
-        if include_usage:
+    def _chunk(self, delta: dict, finish_reason: str | None = None, **extra: Any) -> ServerSentEvent:
+        body = {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish_reason}]}
+        if self.include_usage:
             body["usage"] = None
         body.update(extra)
         return data_event(body)
 
-    done = False
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        ev = first
-        while True:
-            if ev is KEEPALIVE:
-                yield comment_event("ping")
-            elif ev is None:
-                ev = ErrorEvent("engine stream ended without a result", "api_error")
-                continue
-            elif isinstance(ev, TextDelta):
-                rlog.token_seen(ev.token_index)
-                if ev.text:
-                    yield chunk({"content": ev.text})
-            elif isinstance(ev, SnapshotEvent):
-                rlog.snapshots += 1
-                rlog.token_seen(ev.token_index)
-                yield chunk({}, sfcl_snapshot=snapshot_dict(ev))
-            elif isinstance(ev, Finished):
-                rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms
-                rlog.stop_reason = ev.stop_reason
-                if ev.stop_reason == "aborted":
-                    ev = ErrorEvent("generation was aborted by the server", "api_error")
-                    continue
-                yield chunk({}, FINISH_REASONS.get(ev.stop_reason, "stop"),
-                            sfcl={"snapshots": jsonable(ev.snapshot_summary)})
-                if include_usage:
-                    yield data_event({**base, "choices": [],
-                                      "usage": _usage(prompt_tokens, ev.completion_tokens)})
-                yield data_event(DONE)
-                done = True
-                break
-            elif isinstance(ev, ErrorEvent):
-                rlog.error, done = ev.type, True
-                yield _error_chunk(ev.type, ev.message)
-                break
-            try:
-                ev = await events.next(ping_s)
-            except EngineBusyError:
-                ev = ErrorEvent("The server is overloaded; retry later.", "overloaded_error")
-    except Exception:
-        log.exception("error while streaming %s", rid)
-        rlog.error, done = "api_error", True
-        yield _error_chunk("api_error", "Internal server error")
-    finally:
-        await events.aclose()
-        if not done:
-            rlog.status, rlog.error = 499, "client_closed"
-        rlog.write()
+    def opening(self) -> list[ServerSentEvent]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def keepalive(self) -> ServerSentEvent:
+        return comment_event("ping")
+
+    def text(self, text: str) -> ServerSentEvent:
+        return self._chunk({"content": text})
+
+    def snapshot(self, ev: SnapshotEvent) -> ServerSentEvent:
+        return self._chunk({}, sfcl_snapshot=snapshot_dict(ev))
+
+    def finish(self, ev: Finished) -> list[ServerSentEvent]:
+        frames = [self._chunk({}, FINISH_REASONS.get(ev.stop_reason, "stop"),
+                              sfcl={"snapshots": jsonable(ev.snapshot_summary)})]
+        if self.include_usage:
+            frames.append(data_event({**self.base, "choices": [],
+                                      "usage": _usage(self.prompt_tokens, ev.completion_tokens)}))
+        frames.append(data_event(DONE))
+        return frames
+
+    def error(self, error_type: str, message: str) -> ServerSentEvent:
+        status = ANTHROPIC_STATUS.get(error_type, 500)
+        return data_event(openai_error_body(message, type=openai_type_for(status), code=error_type))
 
 
-@router.post(ROUTE)
-async def create_chat_completion(request: Request) -> Response:
-    rid = new_id("chatcmpl-")
-    rlog = RequestLog(rid, ROUTE)
-    streaming = False
-    try:
-        response = await _create(request, rid, rlog)
-        streaming = rlog.stream
-        return response
-    except ApiError as e:
-        rlog.status, rlog.error = e.status, e.code or e.openai_type or openai_type_for(e.status)
-        raise
-    except Exception:
-        rlog.status, rlog.error = 500, "server_error"
-        raise
-    finally:
-        if not streaming:
-            rlog.write()
+class ChatCompletionsApi(ApiAdapter):
+    route = ROUTE
+    openai = True
+    id_prefix = "chatcmpl-"
+    id_header = "x-request-id"
+    request_model = ChatCompletionRequest
 
+    def error_name(self, e: ApiError) -> str:
+        return e.code or e.openai_type or openai_type_for(e.status)
 
-async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
-    engine: EngineClient = request.app.state.engine
-    check_api_key(request, openai=True)
-    req: ChatCompletionRequest = parse_model(ChatCompletionRequest, await read_json(request))
-    mode = resolve_snapshot_mode(request, req.snapshot_mode)
-    check_model(engine, req.model, openai=True)
-    if req.n not in (None, 1):
-        raise ApiError(400, "n: only n=1 is supported", param="n")
-    messages = to_engine_messages(req)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError(400, "stop: stop sequences must be non-empty strings", param="stop")
-    prompt_ids = await encode_prompt(engine, messages, None)
-    max_tokens = resolve_max_tokens(engine, req, len(prompt_ids))
-    rlog.tag = resolve_tag(request)
-    params = make_params(
-        max_tokens=max_tokens,
-        temperature=request.app.state.default_temperature if req.temperature is None
-        else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        stop=stop, seed=req.seed, snapshot_mode=mode, tag=rlog.tag,
-        steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
-    rlog.prompt_tokens = len(prompt_ids)
-    ping_s: float = request.app.state.ping_interval_s
-    headers = {"x-request-id": rid}
+    def prepare(self, req: ChatCompletionRequest) -> Prompt:
+        if req.n not in (None, 1):
+            raise ApiError(400, "n: only n=1 is supported", param="n")
+        messages = to_engine_messages(req)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(s == "" for s in stop):
+            raise ApiError(400, "stop: stop sequences must be non-empty strings", param="stop")
+        return Prompt(messages, None, stop, seed=req.seed,
+                      requested_max_tokens=req.max_completion_tokens or req.max_tokens)
 
-    events, first = await start_generation(request, prompt_ids, params, rid, openai=True,
-                                           wait_s=ping_s)
-    if req.stream:
-        rlog.stream = True
+    def max_tokens(self, engine: EngineClient, req: ChatCompletionRequest, prompt_len: int) -> int:
+        return resolve_max_tokens(engine, req, prompt_len)
+
+    def framing(self, request: Request, rid: str, req: ChatCompletionRequest, prompt_tokens: int) -> Framing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return ChunkFraming(rid, request.app.state.engine.model_name, prompt_tokens, include_usage)
 
-        async def on_close() -> None:
-            await events.aclose()
-            rlog.write()
+    def body(self, rid: str, engine: EngineClient, got: Collected, fin: Finished, prompt_tokens: int) -> dict:
+        return {
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": got.text, "refusal": None},
+                         "logprobs": None, "finish_reason": FINISH_REASONS.get(fin.stop_reason, "stop")}],
+            "usage": _usage(prompt_tokens, fin.completion_tokens),
+            "sfcl": {"snapshots": jsonable(fin.snapshot_summary), "snapshot_events": got.snapshots},
+        }
 
-        frames = stream_frames(request, rid, events, first, len(prompt_ids), include_usage, rlog)
-        return sse_response(frames, headers=headers, on_close=on_close)
 
-    try:
-        got = await collect(request, events, first, rlog, ping_s)
-    except ClientGone:
-        rlog.status, rlog.error = 499, "client_closed"
-        return Response(status_code=499)
-    finally:
-        await events.aclose()
-    if got.finished is not None and got.finished.stop_reason == "aborted":
-        got.error = ErrorEvent("generation was aborted by the server", "api_error")
-    if got.error is not None:
-        raise engine_error(got.error, openai=True)
-    fin = got.finished
-    assert fin is not None
-    prompt_tokens = got.prompt_tokens or fin.prompt_tokens or len(prompt_ids)
-    rlog.prompt_tokens = prompt_tokens
-    rlog.completion_tokens, rlog.ttft_ms, rlog.stop_reason = (
-        fin.completion_tokens, fin.ttft_ms, fin.stop_reason)
-    body = {
-        "id": rid, "object": "chat.completion", "created": int(time.time()),
-        "model": engine.model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": got.text,
-                                             "refusal": None},
-                     "logprobs": None, "finish_reason": FINISH_REASONS.get(fin.stop_reason, "stop")}],
-        "usage": _usage(prompt_tokens, fin.completion_tokens),
-        "sfcl": {"snapshots": jsonable(fin.snapshot_summary), "snapshot_events": got.snapshots},
-    }
-    return JSONResponse(body, headers=headers)
+CHAT = ChatCompletionsApi()
+router.add_api_route(ROUTE, generation_route(CHAT), methods=["POST"], name="create_chat_completion")

@@ -1,0 +1,214 @@
+"""Request parsing and validation shared by the Anthropic and OpenAI routes.
+
+Everything here turns client input into engine input or a 400/404/413 ``ApiError`` in the route's
+own format (never a 500): the JSON body (size, UTF-8, lone surrogates), the pydantic request model,
+the model name, the SFCL headers and fields (``x-sfcl-tag``; snapshot mode: header
+``x-sfcl-snapshot`` > body ``snapshot_mode`` > server default; steering: ``resolve_steer``, the one
+place that reads ``x-sfcl-steer`` / ``steer``), ``SamplingParams`` and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+import anyio
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.engine.protocol import EngineClient
+from sfcl.engine.request import TAG_RE, SamplingParams
+from sfcl.server.errors import ApiError, validation_api_error
+
+SNAPSHOT_HEADER = "x-sfcl-snapshot"
+TAG_HEADER = "x-sfcl-tag"
+STEER_HEADER = "x-sfcl-steer"
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+async def read_json(request: Request) -> Any:
+    """Body -> JSON value; invalid UTF-8 or JSON is a 400 naming ``body``."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"body: request body exceeds {MAX_BODY_BYTES} bytes", param="body")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"body: request body exceeds {MAX_BODY_BYTES} bytes", param="body")
+    if not raw.strip():
+        raise ApiError(400, "body: request body is empty; expected a JSON object", param="body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: request body is not valid UTF-8 (byte {e.start})",
+                       param="body") from None
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except RecursionError:  # e.g. 100k nested arrays: the decoder runs out of stack
+        raise ApiError(400, "body: invalid JSON: nested too deeply", param="body") from None
+    except ValueError as e:
+        raise ApiError(400, f"body: invalid JSON: {e}", param="body") from None
+    where = find_lone_surrogate(value)
+    if where is not None:
+        raise ApiError(400, f"{where}: string contains a lone UTF-16 surrogate escape "
+                            "(\\ud800-\\udfff without its pair), which is not valid Unicode",
+                       param=where)
+    return value
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _has_surrogate(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+def find_lone_surrogate(value: Any) -> str | None:
+    """Dotted path (``messages.0.content``) of the first string (value or key) holding a lone
+    surrogate, else None. ``json.loads`` accepts ``"\\ud800"`` escapes, but such strings cannot
+    be encoded as UTF-8 (tokenizer, logs, JSON responses), so they are the client's error."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:  # iterative: the decoder accepts nesting deeper than a recursive walk could
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return ".".join(str(p) for p in path) or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if _has_surrogate(k):
+                    parent = ".".join(str(p) for p in path)
+                    key = k.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+                    return f"{parent}.{key}" if parent else key
+                stack.append((item, path + (k,)))
+        elif isinstance(v, list):
+            stack.extend((item, path + (i,)) for i, item in enumerate(v))
+    return None
+
+
+def parse_model(model_cls: type[BaseModel], data: Any) -> Any:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_api_error(e) from None
+
+
+def check_model(engine: EngineClient, model: str, openai: bool) -> None:
+    if model in (engine.model_name, "default"):
+        return
+    if openai:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{engine.model_name}'.", param="model", code="model_not_found")
+    raise ApiError(404, f"model: {model} (this server serves '{engine.model_name}')",
+                   param="model")
+
+
+def resolve_tag(request: Request) -> str | None:
+    """Header ``x-sfcl-tag`` (e.g. ``high-risk``): metrics label and scheduling priority."""
+    tag = request.headers.get(TAG_HEADER)
+    if tag is None:
+        return None
+    tag = tag.strip()
+    if not TAG_RE.fullmatch(tag):
+        raise ApiError(400, f"{TAG_HEADER}: must be 1-64 characters of letters, digits, '_', '-', '.', ':'",
+                       param=TAG_HEADER)
+    return tag
+
+
+def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
+    """Header ``x-sfcl-snapshot`` > body ``snapshot_mode`` > ``app.state.default_snapshot_mode``."""
+    engine: EngineClient = request.app.state.engine
+    header = request.headers.get(SNAPSHOT_HEADER)
+    explicit = True
+    if header is not None:
+        mode = header.strip().lower()
+        if mode not in SNAPSHOT_MODES:
+            raise ApiError(400, f"{SNAPSHOT_HEADER}: invalid value {header!r}; expected one of "
+                                f"{', '.join(SNAPSHOT_MODES)}", param=SNAPSHOT_HEADER)
+    elif body_mode is not None:
+        mode = body_mode
+    else:
+        mode, explicit = request.app.state.default_snapshot_mode, False
+    if mode != "off" and not getattr(engine, "snapshots_available", True):
+        if explicit:
+            src = SNAPSHOT_HEADER if header is not None else "snapshot_mode"
+            raise ApiError(400, f"{src}: snapshots are not available on this server "
+                                "(no anchor library loaded); use 'off'", param=src)
+        mode = "off"
+    return mode
+
+
+def resolve_steer(request: Request, body_steer: bool, mode: str) -> bool:
+    """Header ``x-sfcl-steer: on|off`` > body ``steer``. Steering acts when a snapshot fires, so
+    asking for it with snapshot mode ``off`` is a 400 rather than a silent no-op."""
+    header = request.headers.get(STEER_HEADER)
+    if header is not None:
+        v = header.strip().lower()
+        if v not in ("on", "off", "true", "false", "1", "0"):
+            raise ApiError(400, f"{STEER_HEADER}: invalid value {header!r}; expected on or off",
+                           param=STEER_HEADER)
+        steer = v in ("on", "true", "1")
+    else:
+        steer = bool(body_steer)
+    if steer and mode == "off":
+        src = STEER_HEADER if header is not None else "steer"
+        raise ApiError(400, f"{src}: steering needs snapshots; use snapshot_mode 'triggered' or 'always'",
+                       param=src)
+    return steer
+
+
+# Below these the sampler's float32 math breaks (logits / T overflows, top_p rounds to 0) and the
+# engine step fails for every request in the batch. Both limits are the greedy limit anyway: a
+# temperature under MIN_TEMPERATURE is sampled as 0 (argmax), and a top_p of MIN_TOP_P already
+# keeps only the most likely token.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def make_params(**kwargs: Any) -> SamplingParams:
+    """``SamplingParams`` or a 400 naming the field its ValueError mentions."""
+    seed = kwargs.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ApiError(400, f"seed: must be an integer in [-2**63, 2**64 - 1], got {seed}",
+                       param="seed")
+    temperature = kwargs.get("temperature")
+    if isinstance(temperature, (int, float)) and 0.0 < temperature < MIN_TEMPERATURE:
+        kwargs["temperature"] = 0.0
+    top_p = kwargs.get("top_p")
+    if isinstance(top_p, (int, float)) and 0.0 < top_p < MIN_TOP_P:
+        kwargs["top_p"] = MIN_TOP_P
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        param = next((p for p in ("max_tokens", "temperature", "top_p", "stop", "snapshot")
+                      if text.startswith(p)), "body")
+        raise ApiError(400, f"{param}: {text}", param=param) from None
+
+
+async def encode_prompt(engine: EngineClient, messages: list[dict],
+                        system: str | None) -> list[int]:
+    """Chat template + tokenize; template errors (bad role order...) are the client's: 400.
+
+    Runs in a worker thread: tokenizing a body near MAX_BODY_BYTES takes tens of seconds, which
+    on the event loop would stall every other stream, keepalive and /health meanwhile.
+    """
+    try:
+        return list(await anyio.to_thread.run_sync(engine.encode_chat, messages, system))
+    except ApiError:
+        raise
+    except Exception as e:
+        names = {c.__name__ for c in type(e).__mro__}
+        if isinstance(e, ValueError) or "TemplateError" in names:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        raise
