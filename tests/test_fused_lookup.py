@@ -13,7 +13,7 @@ from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
 from sfcl.serving import make_llm_engine
 from sfcl.snapshot.device_search import DeviceAnchorIndex
-from sfcl.snapshot.snapshotter import anchor_confidence_each
+from sfcl.snapshot.triggers import anchor_confidence_each
 from sfcl.snapshot.steering import SteerConfig
 
 

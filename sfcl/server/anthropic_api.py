@@ -5,7 +5,7 @@ Wire format follows https://docs.anthropic.com/en/api/messages and .../messages-
 ``message_delta``, ``message_stop``. SFCL adds:
 
 * request fields ``snapshot_mode`` ("off" | "triggered" | "always") and ``steer``; the headers
-  ``x-sfcl-snapshot`` and ``x-sfcl-steer: on|off`` override them;
+  ``x-sfcl-snapshot`` and ``x-sfcl-steer`` (on|off|source|cad|knn|a "+" combination) override them;
 * stream event ``snapshot_triggered`` (with an ``id:`` line = snapshot id) whenever the engine
   looks up the anchor library; clients that do not know it ignore it (the SDKs do);
 * ``sfcl`` field on the final message (``{"snapshots": summary, "snapshot_events": [...]}``) and
@@ -29,7 +29,7 @@ from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
                                 new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                resolve_steer, snapshot_dict, start_generation)
+                                resolve_steer, snapshot_dict, start_generation, attach_cad_prompt)
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable, log
 from sfcl.server.sse import named_event, sse_response
 
@@ -62,8 +62,10 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
-                        "header x-sfcl-steer: on|off wins")
+    steer: Union[bool, str, list[str]] = Field(
+        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
+        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
+        "mixture) or a '+' combination; header x-sfcl-steer wins")
     ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 
@@ -240,6 +242,7 @@ async def _create_message(request: Request, rid: str, rlog: RequestLog) -> Respo
         steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
     prompt_ids = await encode_prompt(engine, messages, system)
     check_context(engine, len(prompt_ids), req.max_tokens)
+    await attach_cad_prompt(engine, params, messages, system)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {"request-id": rid}

@@ -27,7 +27,7 @@ from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.common import (KEEPALIVE, ClientGone, EngineEvents, RequestLog, check_api_key,
                                 check_model, collect, encode_prompt, engine_error, make_params,
                                 new_id, parse_model, read_json, resolve_snapshot_mode, resolve_tag,
-                                resolve_steer, snapshot_dict, start_generation)
+                                resolve_steer, snapshot_dict, start_generation, attach_cad_prompt)
 from sfcl.server.errors import (ANTHROPIC_STATUS, ApiError, jsonable, log, openai_error_body,
                                 openai_type_for)
 from sfcl.server.sse import DONE, comment_event, data_event, sse_response
@@ -70,8 +70,10 @@ class ChatCompletionRequest(BaseModel):
     seed: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
-                        "header x-sfcl-steer: on|off wins")
+    steer: Union[bool, str, list[str]] = Field(
+        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
+        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
+        "mixture) or a '+' combination; header x-sfcl-steer wins")
     ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 
@@ -228,6 +230,7 @@ async def _create(request: Request, rid: str, rlog: RequestLog) -> Response:
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=stop, seed=req.seed, snapshot_mode=mode, tag=rlog.tag,
         steer=resolve_steer(request, req.steer, mode), ignore_eos=req.ignore_eos)
+    await attach_cad_prompt(engine, params, messages, None)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {"x-request-id": rid}

@@ -10,7 +10,7 @@ the step's other per-row results; the host keeps only the rows whose trigger fir
 The algorithm mirrors ``AnchorIndex.search`` exactly so both paths return the same anchors: with
 a 16-bit search copy, candidates max(4k, k + 16) by a 16-bit matmul, re-scored in float32 against
 the stored float16 vectors; with float32, exact outright. Confidences are
-``sfcl.snapshot.snapshotter.anchor_confidence_each`` of the library's weights and decays.
+``sfcl.snapshot.triggers.anchor_confidence_each`` of the library's weights and decays.
 
 Memory on the device: the search copy (N x D x 2 bytes in bf16) plus the stored float16 vectors
 for re-scoring (N x D x 2 more; none extra when the search dtype is float16): 128 MiB for
@@ -50,7 +50,7 @@ class DeviceAnchorIndex:
         ids (n, k') int64, confidence (n, k') float32), best first, k' = min(k, N).
         Raises ValueError for a wrong shape or k < 1.
         """
-        from sfcl.snapshot.snapshotter import anchor_confidence_each
+        from sfcl.snapshot.triggers import anchor_confidence_each
 
         if hidden.dim() != 2 or hidden.shape[1] != self.dim:
             raise ValueError(f"hidden must have shape (n, {self.dim}), got {tuple(hidden.shape)}")
