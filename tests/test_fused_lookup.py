@@ -66,7 +66,7 @@ def run(lm, lib, fused: bool):
     reqs = [("off", False, "How long is the confidentiality period?"),
             ("triggered", False, "Who may receive the information and when did the agreement start?"),
             ("always", False, "Summarise the obligations in one sentence."),
-            ("always", True, "For how many years must the information be kept confidential, and from when?")]
+            ("always", "knn", "For how many years must the information be kept confidential, and from when?")]
     events: dict[str, list] = {}
     for i, (mode, steer, q) in enumerate(reqs):
         rid = f"r{i}"

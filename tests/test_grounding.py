@@ -119,3 +119,11 @@ def test_js_divergence_and_contrast():
     assert out.exp().sum().item() == pytest.approx(1.0, abs=1e-5)
     assert out[0, 2].item() == float("-inf")  # below 0.1 x the top probability with the document
     assert out[0, 0] > p[0, 0]  # the token the document favours over the prior gains
+
+
+def test_candidates_continuing_a_longer_prompt_span_win_the_re_rank():
+    # after " the " both "5" and "3" occur in the prompt, but only "the 3" is a prompt span (" the 30 days")
+    [(tok, info)] = grounding().steer([row([0, 9], 3)], logits({3: 0.6, 1: 0.3, 0: 0.1}))
+    assert tok == 1 and info.changed and info.source_span == (0, 3)
+    [(tok, _)] = grounding(span_bonus=0.0).steer([row([0, 9], 3)], logits({3: 0.6, 1: 0.3, 0: 0.1}))
+    assert tok == 3  # without the bonus the model's (supported) token stays

@@ -413,7 +413,9 @@ class ModelRunner:
         """Grounded correction of the steered rows ``st`` (step rows; ``j`` their rows in lg_cpu)
         before their tokens are emitted (``sfcl.snapshot.grounding``). Updates ``rows`` (token,
         model logprob) and the entity state of rows whose token changed."""
-        g = self.grounding if self.grounding is not None else Grounding(snap.class_table, [])
+        if self.grounding is None:  # built without one (tests): no source index, no CAD side sequences
+            self.grounding = Grounding(snap.class_table, [])
+        g = self.grounding
         todo = [SteerRow(request_id=seqs[i].request_id, mechanisms=seqs[i].params.steer,
                          prompt_ids=seqs[i].prompt_ids, output_ids=seqs[i].output_ids, token=int(rows[i][0]),
                          temperature=seqs[i].params.temperature, top_p=seqs[i].params.top_p,

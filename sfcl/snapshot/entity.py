@@ -10,7 +10,8 @@ Each vocabulary entry gets a bit set computed once from its decoded text (shape 
 - ``CAP``       starts with an upper-case letter (a name candidate: " Acme", " Delaware")
 - ``SENT_END``  ends a sentence or line (".", "!", "?", ":", newline)
 - ``CONT``      can continue an entity span: "," "." "/" "-" "(" ")" "%", a single letter
-                ("(b)" in "Clause 7(b)") or a lone space (" " before the digits of "Section 5")
+                ("(b)" in "Clause 7(b)"), a lone space (" " before the digits of "Section 5") or a
+                unit word (" days" in "30 days", " business", " million")
 
 A generated token is *inside an entity-like span* when
 ``DIGIT | CURRENCY | MONTH | REFWORD | (CAP and the previous token did not end a sentence)
@@ -34,6 +35,9 @@ _REFWORDS = {"section", "sections", "clause", "clauses", "article", "articles", 
              "exhibit", "annex", "appendix", "paragraph", "para", "sec", "art"}
 _CURRENCY_CODES = {"usd", "eur", "gbp", "jpy", "chf", "cny", "rmb", "inr", "cad", "aud"}
 _CONT = {",", ".", "/", "-", "(", ")", "%", "–"}
+# words that continue a number into the entity the scorer checks ("30 days", "5 business days", "10 million")
+_UNITS = {"year", "years", "month", "months", "week", "weeks", "day", "days", "hour", "hours", "business",
+          "calendar", "working", "percent", "dollars", "euros", "pounds", "million", "thousand", "billion"}
 
 
 def token_classes(text: str) -> int:
@@ -58,7 +62,7 @@ def token_classes(text: str) -> int:
         bits |= CAP
     if t[-1] in ".!?:;":
         bits |= SENT_END
-    if t in _CONT or re.fullmatch(r"[a-zA-Z]", t):
+    if t in _CONT or low in _UNITS or re.fullmatch(r"[a-zA-Z]", t):
         bits |= CONT
     return bits
 

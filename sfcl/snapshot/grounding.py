@@ -12,10 +12,11 @@ already (the runner brings them over with the looked-up hidden state).
    snapshot confidence);
 3. where 1 or 2 changed the distribution the token is drawn again from it (same sampler, same
    per-request generator); otherwise the model's token stays;
-4. ``source``: if that token is inside an entity-like span and not supported by the prompt
-   (``sfcl.snapshot.source``), it is replaced by the most likely supported candidate of the
-   top-k (sampled among them at the request's temperature); when none is supported the token
-   stays and the event says ``supported: false``.
+4. ``source``: if that token is inside an entity-like span, the model's top-k candidates whose
+   entity so far is a span of the prompt (``sfcl.snapshot.source``) are re-ranked by log p plus
+   ``span_bonus`` per token of the prompt span they extend (capped), and the token is drawn from
+   them like the model's own (greedy: the best); when no candidate is supported the model's
+   token stays and the event says ``supported: false``.
 
 Per-request host state: the prompt's ``SourceIndex`` (built when the prompt's last chunk is
 prefilled, ``prepare``) and the CAD side sequence; ``release`` drops both.
@@ -172,17 +173,14 @@ class Grounding:
             n, end = idx.longest_suffix(hist + list(cc), cap)
             return n >= run + len(cc) and n <= cap, n, end
 
+        cands = []  # (token, log p, match length L, match end): candidates whose entity so far is a prompt span
         ok, n, end = support(tok)
         if ok:
-            info.supported = True
-            info.source_span = idx.span(end, n) if n else None
-            return tok
+            cands.append((tok, float(lp[tok]), n, end))
         p_tok = float(lp[tok].exp())
         top_p, top_i = lp.topk(self.cfg.top_k)
-        cands = []
         for lpc, c in zip(top_p.tolist(), top_i.tolist()):
-            if c == tok or not self.canon[c] or lpc == float("-inf") or \
-                    math.exp(lpc) < self.cfg.min_ratio * p_tok:
+            if c == tok or not self.canon[c] or lpc == float("-inf") or math.exp(lpc) < self.cfg.min_ratio * p_tok:
                 continue
             if not entity.next_state(self.classes[c], prev) & entity.IN_ENTITY:
                 continue
@@ -195,11 +193,13 @@ class Grounding:
             info.supported = False
             info.reason = "no_supported_candidate"
             return tok
+        # re-rank: log p plus a bonus per token of the prompt span the candidate extends ("for 3" beats "for 5"
+        # when the document says "for three (3) years"), drawn like the model's own token (greedy: the best)
         logits = torch.full((1, lp.shape[0]), float("-inf"))
-        for c, lpc, _, _ in cands:
-            logits[0, c] = lpc
+        for c, lpc, n_c, _ in cands:
+            logits[0, c] = lpc + self.cfg.span_bonus * min(n_c, self.cfg.bonus_cap)
         pick = int(sample(logits, [r.temperature], [r.top_p], [r.generator])[0])
         c, _, n_c, end_c = next(x for x in cands if x[0] == pick)
         info.supported = True
-        info.source_span = idx.span(end_c, n_c)
+        info.source_span = idx.span(end_c, n_c) if n_c else None
         return c

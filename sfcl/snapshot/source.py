@@ -19,6 +19,8 @@ When a trigger fires on an entity token of a request that steers with ``source``
 and calls c *supported* when L(c) covers the whole entity run so far plus c (the entity as written
 up to c is a span of the prompt), L(c) <= copy cap (no verbatim copying of long passages), and c
 does not repeat an n-gram the answer already produced (the repetition failure of kNN steering).
+Supported candidates are re-ranked by log p(c) + span_bonus * min(L(c), bonus_cap): the one that
+continues the longer span of the document wins unless the model finds it much less likely.
 
 Pure Python on the host (engine thread); built per request, dropped when it ends.
 """
@@ -65,10 +67,14 @@ class SourceConfig:
     min_ratio: float = 0.05  # a candidate needs p >= min_ratio * p(model's token) to be promoted
     ngram: int = 4  # a promoted candidate must not repeat an n-gram of the answer (token ids)
     copy_cap: int = 32  # a promoted candidate must not make the answer copy more than this many tokens
+    span_bonus: float = 1.0  # re-rank bonus, nats per token of the prompt span a candidate extends
+    bonus_cap: int = 8  # ... counted up to this many tokens
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or not 0.0 < self.min_ratio <= 1.0 or self.ngram < 2 or self.copy_cap < 1:
-            raise ValueError("source steering: top_k >= 1, min_ratio in (0, 1], ngram >= 2, copy_cap >= 1")
+        if self.top_k < 1 or not 0.0 < self.min_ratio <= 1.0 or self.ngram < 2 or self.copy_cap < 1 \
+                or self.span_bonus < 0 or self.bonus_cap < 0:
+            raise ValueError("source steering: top_k >= 1, min_ratio in (0, 1], ngram >= 2, copy_cap >= 1, "
+                             "span_bonus >= 0, bonus_cap >= 0")
 
 
 class SourceIndex:
