@@ -144,3 +144,17 @@ def test_write_library_copies_and_merges_the_calibration(tmp_path):
     assert TriggerConfig.from_calibration(m["calibration"]).surprisal_z == res.thresholds["surprisal_z"]
     with pytest.raises(FileExistsError):
         write_library(src, out, {})
+
+
+def test_thresholds_for_unseen_documents_keep_a_margin():
+    rec = synthetic(6000)
+    rng = np.random.default_rng(1)
+    docs = np.repeat(np.arange(20), 300)
+    rec.token_logp -= np.repeat(rng.gamma(1.0, 1.0, 20), 300)  # documents differ: some run much hotter
+    sig = rec.signals(CAL)
+    plain = calibrate_thresholds(sig, CAL, 1 / 16)
+    held = calibrate_thresholds(sig, CAL, 1 / 16, groups=docs.tolist())
+    assert abs(held.upper - 1 / 16) < 0.004 and held.achieved < plain.achieved  # stricter on average
+    assert held.thresholds["surprisal_z"] >= plain.thresholds["surprisal_z"]
+    with pytest.raises(ValueError, match="groups"):
+        calibrate_thresholds(sig, CAL, 1 / 16, groups=[0, 1])

@@ -13,8 +13,9 @@ Steps (``calibrate``):
    only and ratios + token features, cross-validated by document; the better one is kept);
 4. the D3 statistics per attended length are re-measured on these answers
    (``calibration.dispersion_by_length``: teacher-forced corpus text is a poor reference) and the
-   thresholds set for the target share of triggering tokens with serving's rules
-   (``sfcl.snapshot.calibration.calibrate_thresholds``).
+   thresholds set with serving's rules (``sfcl.snapshot.calibration.calibrate_thresholds``) so
+   that the 90th percentile over document resamples of the share of triggering tokens is the
+   target (a margin for unseen documents).
 
 Why generated tokens: the server sees greedy *answers*, whose surprisal is much lower than that
 of teacher-forced corpus text, so thresholds set on corpus text rarely fire in serving.
@@ -48,6 +49,7 @@ class CalibrationRun:
     report: dict  # figures for calibration.json / eval.json
     signals: torch.Tensor  # (n, 4) trigger signals of the recorded tokens under the new calibration
     cal: Calibration  # the new signal statistics
+    groups: list  # (n,) the document of each recorded token
 
 
 def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "calibrate: answers") -> CalibrationRun:
@@ -93,12 +95,14 @@ def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "
             model = max(scored, key=lambda m: m.training["cv_auroc_by_document"])
             model.training["compared"] = {k: m.training["cv_auroc_by_document"] for k, m in fits.items()}
     signals = recs_all.signals(cal, model)
-    res = calibrate_thresholds(signals, cal, target, snap.cfg.enabled, snap.cfg.dispersion_window)
+    res = calibrate_thresholds(signals, cal, target, snap.cfg.enabled, snap.cfg.dispersion_window,
+                               groups=groups.tolist())
     default = trigger_shares(signals, TriggerConfig())
     entries = {"thresholds": res.thresholds,
                "threshold_calibration": {
                    "target_rate": res.target, "achieved_rate": res.achieved, "per_trigger_rate": res.per_trigger,
                    "per_trigger_share_q": res.q, "n_tokens": res.n_tokens, "items": len(items),
+                   "rate_quantile_over_documents": {"quantile": 0.9, "value": res.upper},
                    "documents": len(set(groups.tolist())), "unsupported_entity_tokens": int(y.sum()),
                    "default_thresholds_rate": default["union"], "rule": "equal per-trigger share, union = target",
                    "signals": "greedy answers to generated questions (ModelRunner record_signals)"}}
@@ -107,9 +111,10 @@ def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "
     if model is not None:
         entries["lookback"] = model.to_dict()
     report = {"thresholds": res.thresholds, "target_rate": res.target, "achieved_rate": res.achieved,
+              "rate_q90_over_documents": res.upper,
               "per_trigger_rate": res.per_trigger, "n_tokens": res.n_tokens, "rate_with_default_thresholds": default,
               "lookback": {k: m.training for k, m in fits.items()}, "wall_s": wall}
-    return CalibrationRun(entries, report, signals, cal)
+    return CalibrationRun(entries, report, signals, cal, groups.tolist())
 
 
 def plot_tradeoff(points: list[dict], path: Path, chosen: float) -> None:
@@ -180,7 +185,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         points = []
         sweep_items = items[: a.sweep_items]
         for r_ in sorted(set(sweep + [a.target_rate])) if sweep else []:
-            thr = calibrate_thresholds(run.signals, run.cal, r_, snap.cfg.enabled, snap.cfg.dispersion_window).thresholds
+            thr = calibrate_thresholds(run.signals, run.cal, r_, snap.cfg.enabled, snap.cfg.dispersion_window,
+                                       groups=run.groups).thresholds
             snap.cfg = TriggerConfig(**thr, dispersion_window=snap.cfg.dispersion_window, enabled=snap.cfg.enabled)
             rs, _ = run_items(eng, sweep_items, snapshot_mode="triggered", steer=True, desc=f"sweep {r_:.3g}")
             c = score(sweep_items, rs)

@@ -397,6 +397,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     cal_info = None if calib is None else {
         "documents": [d.doc_id for d in cal_docs], "thresholds": calib.entries["thresholds"],
         "target_rate": a.target_rate, "rate_on_calibration_docs": calib.report["achieved_rate"],
+        "rate_q90_over_calibration_doc_resamples": calib.report["rate_q90_over_documents"],
         "rate_on_evaluated_docs": eval_rate, "lookback": calib.report["lookback"],
         "per_trigger_rate": calib.report["per_trigger_rate"], "library": str(out / "library")}
     meta = {"date": when, "command": "sfcl " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("sfcl", "cli.py")) else None,
@@ -424,8 +425,10 @@ def cmd_eval(a: argparse.Namespace) -> int:
           f"random arms fire at {100 * rate:.2f}% of tokens.", "", table(res)]
     if cal_info:
         md += ["", f"Calibration on {len(cal_docs)} other NDAs: thresholds {cal_info['thresholds']}; the triggers fire on "
-                   f"{100 * cal_info['rate_on_calibration_docs']:.2f}% of generated tokens there and on "
-                   f"{100 * (eval_rate or 0):.2f}% on the evaluated documents (target {100 * a.target_rate:.2f}%)."]
+                   f"{100 * cal_info['rate_on_calibration_docs']:.2f}% of generated tokens there (90th percentile over "
+                   f"document resamples {100 * (cal_info['rate_q90_over_calibration_doc_resamples'] or 0):.2f}%, set to "
+                   f"the target {100 * a.target_rate:.2f}%) and on {100 * (eval_rate or 0):.2f}% on the evaluated "
+                   f"documents (observe-only answers)."]
     if det:
         md += ["", f"Detection on the `off` answers ({det['n_tokens']} tokens, {det['n_unsupported_entities']} unsupported "
                    f"entities, {det['n_unsupported_tokens']} of their tokens):", "", detection_table(det)]
