@@ -87,6 +87,9 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
     p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
     p.add_argument("--steer-lambda-max", type=float, default=0.5,
                    help="kNN-LM interpolation weight at snapshot confidence 1 for the knn arms")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: eager decode instead of captured graphs (the lookback-ratio trigger reads attention "
+                        "weights that the graphs do not return)")
 
 
 def build(a: argparse.Namespace, progress: bool = True):
@@ -97,7 +100,8 @@ def build(a: argparse.Namespace, progress: bool = True):
     from sfcl.serving import build_engine
 
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
-    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024)
+    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024,
+                      enforce_eager=getattr(a, "enforce_eager", False))
     sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
                         steer_lambda_max=getattr(a, "steer_lambda_max", 0.5))
     return build_engine(mc, ec, sc, progress=progress)
