@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ class CalibrationRun:
     signals: torch.Tensor  # (n, 4) trigger signals of the recorded tokens under the new calibration
     cal: Calibration  # the new signal statistics
     groups: list  # (n,) the document of each recorded token
+    models: dict = field(default_factory=dict)  # lookback fits by feature subset (the kept one is in entries)
 
 
 def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "calibrate: answers") -> CalibrationRun:
@@ -114,7 +115,7 @@ def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "
               "rate_q90_over_documents": res.upper,
               "per_trigger_rate": res.per_trigger, "n_tokens": res.n_tokens, "rate_with_default_thresholds": default,
               "lookback": {k: m.training for k, m in fits.items()}, "wall_s": wall}
-    return CalibrationRun(entries, report, signals, cal, groups.tolist())
+    return CalibrationRun(entries, report, signals, cal, groups.tolist(), fits)
 
 
 def plot_tradeoff(points: list[dict], path: Path, chosen: float) -> None:

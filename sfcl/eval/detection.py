@@ -20,7 +20,7 @@ weight each token by how often its document was drawn. numpy/torch on the CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ class AnswerSignals:
     signals: np.ndarray  # (n, 4) float, TRIGGER_NAMES order
     labels: AnswerLabels
     confidence: np.ndarray | None = None  # (n,) snapshot confidence per token (always arm), NaN where none
+    extra: dict = field(default_factory=dict)  # name -> (n,) more per-token risk scores to report AUROC for
 
 
 def _auroc(score: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> float:
@@ -63,6 +64,7 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
     docs = np.array(sorted({a.doc_id for a in answers}))
     tok_doc, ent_doc = [], []
     S, F, Y, C = [], [], [], []  # per answer: signals (n, 4), fired (n, 5: 4 + union), labels, confidence
+    X: dict[str, list] = {k: [] for a in answers for k in a.extra}  # extra scores
     ent_len, ent_fired = [], []  # per unsupported entity: token count, fired (5,) within its tokens
     for a in answers:
         s = np.asarray(a.signals, np.float64).reshape(-1, len(TRIGGER_NAMES))
@@ -73,6 +75,8 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
         F.append(f)
         Y.append(np.asarray(a.labels.token_unsupported[:n], bool))
         C.append(a.confidence[:n] if a.confidence is not None else np.full(n, np.nan))
+        for k in X:
+            X[k].append(np.asarray(a.extra[k], np.float64)[:n] if k in a.extra else np.full(n, np.nan))
         tok_doc += [a.doc_id] * n
         for e in a.labels.entities:
             toks = [k for k in e.tokens if k < n]
@@ -111,6 +115,7 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
     scores = {name: S[:, j] for j, name in enumerate(TRIGGER_NAMES)}
     if np.isfinite(C).any():
         scores["snapshot_confidence (low = risk)"] = -C
+    scores.update({k: np.concatenate(v) for k, v in X.items()})
     out["auroc"] = {}
     for name, sc in scores.items():
         keep = ~np.isnan(sc)  # -inf (a trigger that cannot fire on the token) ranks lowest; NaN: no value

@@ -246,7 +246,7 @@ def detection_table(det: dict) -> str:
     rows.append(f"| random at the union's rate | {_fmt(rc['recall'], pct=True)} | {_fmt(rc['precision'], pct=True)} | "
                 f"{100 * rc['rate']:.1f}% | 0.50 |")
     for name, a in det["auroc"].items():
-        if name.startswith("snapshot_confidence"):
+        if name not in det["per_trigger"]:
             rows.append(f"| {name} | | | | {_fmt(a)} |")
     return "\n".join(rows)
 
@@ -304,6 +304,8 @@ def _observed_rate(recs: list[Record], cfg) -> float:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    import torch
+
     from sfcl.anchors.corpus import read_corpus
     from sfcl.eval.calibrate import calibrate
     from sfcl.eval.detection import AnswerSignals, detection
@@ -386,9 +388,17 @@ def cmd_eval(a: argparse.Namespace) -> int:
                         if s.token_index < len(c):
                             c[s.token_index] = s.confidence
                     conf_by[it.key] = c
+        fits = calib.models if calib is not None else {}
+
+        def extra(r: Record) -> dict:  # every trained lookback model's score, for the AUROC comparison
+            if not fits or not r.records or len(r.records[0]) <= 4:
+                return {}
+            x = torch.tensor([row[4:] for row in r.records], dtype=torch.float32)
+            return {f"lookback model ({k})": m.score(x).numpy() for k, m in fits.items()}
+
         answers = [AnswerSignals(it.meta["question"].doc_id, np.asarray(r.signals, np.float64),
                                  label_answer(built.lm.tokenizer, r.token_ids, Source.of(it.meta["source"])),
-                                 conf_by.get(it.key))
+                                 conf_by.get(it.key), extra(r))
                    for it, r in zip(items, recs["off"]) if r.signals]
         det = detection(answers, cfg, a.bootstrap, a.seed)
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
