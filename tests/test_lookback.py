@@ -18,7 +18,7 @@ def test_ratio_compares_mean_weight_on_prompt_and_on_answer():
     lr = lookback_ratios(p, torch.tensor([6]), torch.tensor([4]))
     assert lr[0].tolist() == pytest.approx([2 / 3, 0.0], abs=1e-6)
     first = lookback_ratios(torch.full((1, 2, 4), 0.25), torch.tensor([4]), torch.tensor([4]))  # no answer yet
-    assert first.tolist() == pytest.approx([[1.0, 1.0]])
+    assert first[0].tolist() == pytest.approx([1.0, 1.0])
 
 
 def test_model_scores_as_a_dot_product_and_round_trips():
