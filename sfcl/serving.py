@@ -30,6 +30,7 @@ from sfcl.model.loader import LoadedModel, load_model
 from sfcl.model.quant import quantize_weights
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
+from sfcl.snapshot.grounding import Grounding
 from sfcl.snapshot.snapshotter import Snapshotter
 from sfcl.snapshot.steering import SteerConfig
 from sfcl.snapshot.triggers import TriggerConfig
@@ -129,7 +130,7 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         snap = Snapshotter(lib, vocab_class_table(lm.tokenizer, lm.args.vocab_size, device), top_k=scfg.top_k,
                            keyword_boost=load_rules(scfg.keyword_boost) if scfg.keyword_boost else None,
                            cfg=TriggerConfig.from_calibration(lib.calibration),  # thresholds of `anchors calibrate`
-                           steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
+                           steer=SteerConfig(lambda_max=scfg.steer_lambda_max), n_heads=lm.args.n_heads)
     layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
     max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
     dtype = next(lm.model.parameters()).dtype
@@ -147,7 +148,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         tagged_log("ENGINE", f"compiled in {compiled.warmup(layer):.0f} s")
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
-                         decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup)
+                         decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup,
+                         grounding=Grounding.for_model(lm, ecfg.max_num_seqs, device, snap.class_table) if snap is not None else None)
     if cuda and snap is not None:
         snap.device_index(device)  # upload the search copy now, not in the first step
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
@@ -172,7 +174,7 @@ def make_reloader(lm: LoadedModel, scfg: SnapshotConfig, device: str = "cpu"):
             rules = load_rules(scfg.keyword_boost) if scfg.keyword_boost else None
             snap = Snapshotter(lib, table, top_k=scfg.top_k, keyword_boost=rules,
                                cfg=TriggerConfig.from_calibration(lib.calibration),
-                               steer=SteerConfig(lambda_max=scfg.steer_lambda_max))
+                               steer=SteerConfig(lambda_max=scfg.steer_lambda_max), n_heads=lm.args.n_heads)
             if torch.device(device).type == "cuda":
                 snap.device_index(device)  # fused lookup: upload the search copy before the swap
             return lib, snap

@@ -38,8 +38,8 @@ def test_build_writes_versions_and_boost_adds_one(cache_dir, tmp_path, capsys):
     assert v2.path.name == "v0002" and v2.content_hash == v1.content_hash  # same anchors, new rules
     assert v2.keyword_boost == [KeywordBoost(("indemnif", "Clause"), ("domain",), 1.5)]
     assert v2.manifest["version"]["parent"] == str(v1.path.resolve())
-    assert kind_multipliers(v2.keyword_boost, "the INDEMNIFICATION clause") == {"general": 1.0, "domain": 1.5}
-    assert kind_multipliers(v2.keyword_boost, "nothing relevant") == {"general": 1.0, "domain": 1.0}
+    assert kind_multipliers(v2.keyword_boost, "the INDEMNIFICATION clause") == {"domain": 1.5}
+    assert kind_multipliers(v2.keyword_boost, "nothing relevant") == {}
     # the older version still loads by its directory and its files still match their checksums
     assert load_library(v1.path).keyword_boost == []
     for f, h in v1.manifest["files"].items():

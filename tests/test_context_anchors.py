@@ -97,7 +97,7 @@ def test_steered_request_searches_its_own_prompt(lm, nda_library):
         tokenize=False, add_generation_prompt=True)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
-    [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=12, snapshot_mode="always", steer=True))])
+    [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=12, snapshot_mode="always", steer="knn"))])
     snaps = [e for e in ev if isinstance(e, SnapshotEvent)]
     ctx = [h for s in snaps for h in s.top if h.kind == "context"]
     assert ctx, "copying from the prompt should find prompt positions among the nearest anchors"
@@ -128,7 +128,7 @@ def test_chunked_prefill_and_prefix_cache_keep_every_prompt_position(lm, nda_lib
         calls.append((rid, start, int(tap.shape[0]), ca.count(rid)))
 
     ca.add = spy
-    params = SamplingParams(max_tokens=2, snapshot_mode="always", steer=True)
+    params = SamplingParams(max_tokens=2, snapshot_mode="always", steer="knn")
     run_to_completion(eng, [(ids, params)])
     first = [c for c in calls if c[0] == "sync-0"]
     assert len(first) > 1 and first[0][1] == 0  # several chunks, from position 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sfcl.anchors.corpus import Document
-from sfcl.eval.questions import (QUESTION_TYPES, all_questions, duration_questions, fit_document,
-                                 generate_questions, jurisdiction_questions, law_questions, party_questions,
-                                 section_questions, amount_questions)
+from sfcl.eval.questions import (QUESTION_TYPES, all_questions, amount_questions, duration_questions,
+                                 entity_cloze_questions, fit_document, generate_questions, jurisdiction_questions,
+                                 law_questions, party_questions, section_questions)
 from tests.conftest import contractnli_docs
 
 NDA = """MUTUAL NON-DISCLOSURE AGREEMENT
@@ -59,6 +59,23 @@ def test_law_jurisdiction_parties_amounts_sections():
     assert titles["What is the title of section 2?"] == "Term"
     nums = {q.question: q.gold[0].text for q in s if q.type == "section_number"}
     assert nums["Which section covers Governing Law?"] == "5"
+
+
+def test_entity_clozes_blank_what_the_scorer_checks():
+    d = doc(NDA + "The Effective Date is March 1, 2025, as set out in Section 4 of the Agreement.\n"
+              "Each disclosure to Gamma Holdings on behalf of the group is covered by this Agreement.\n")
+    qs = entity_cloze_questions(d)
+    by = {}
+    for q in qs:
+        by.setdefault(q.type, []).append(q.gold[0].text)
+        assert "____" in q.question and q.gold[0].text not in q.question.replace("____", "", 1) or q.type == "number"
+        assert d.text[q.gold[0].start:q.gold[0].end] == q.gold[0].text
+    assert "five (5) years" in by["duration_cloze"] and "March 1, 2025" in by["date"]
+    assert "4" in by["reference"] and "Confidential Information" in by["term"]
+    assert by["organisation"] == ["Gamma Holdings"]
+    # a line-start number is a list marker, not a cloze; a sentence that already has a blank is skipped
+    assert all(not q.question.startswith('What number fills the blank in: "____.') for q in qs)
+    assert entity_cloze_questions(doc("Signed on the ____ day of March, 2025 by the parties named above.\n")) == []
 
 
 def test_placeholders_and_prose_are_not_questions():

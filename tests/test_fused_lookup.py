@@ -13,7 +13,7 @@ from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
 from sfcl.serving import make_llm_engine
 from sfcl.snapshot.device_search import DeviceAnchorIndex
-from sfcl.snapshot.snapshotter import anchor_confidence_each
+from sfcl.snapshot.triggers import anchor_confidence_each
 from sfcl.snapshot.steering import SteerConfig
 
 
@@ -66,7 +66,7 @@ def run(lm, lib, fused: bool):
     reqs = [("off", False, "How long is the confidentiality period?"),
             ("triggered", False, "Who may receive the information and when did the agreement start?"),
             ("always", False, "Summarise the obligations in one sentence."),
-            ("always", True, "For how many years must the information be kept confidential, and from when?")]
+            ("always", "knn", "For how many years must the information be kept confidential, and from when?")]
     events: dict[str, list] = {}
     for i, (mode, steer, q) in enumerate(reqs):
         rid = f"r{i}"

@@ -105,4 +105,6 @@ def test_boost_applies_to_requests_mentioning_a_keyword(lm, nda_library):
     eng.runner.snapshotter = Snapshotter(nda_library, table)
     base = snapshot_confidences(eng, other)
     eng.runner.snapshotter = Snapshotter(nda_library, table, keyword_boost=parse_rules(RULES))
+    # rel 1e-5: the second run of a prompt restores its prefix from the prefix cache, which moves the
+    # last float32 digits of the hidden state (seen: 2e-6)
     assert snapshot_confidences(eng, other) == pytest.approx(base, rel=1e-5)

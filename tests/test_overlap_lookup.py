@@ -23,7 +23,7 @@ CLAUSE = ("The Receiving Party shall hold the Confidential Information in strict
           "five (5) years from the Effective Date of 1 March 2021. ")
 REQS = [("triggered", False, "Who may receive the information?"),
         ("always", False, "Summarise the obligations in one sentence."),
-        ("always", True, "For how many years must the information be kept confidential?")]
+        ("always", "knn", "For how many years must the information be kept confidential?")]
 
 
 def chat(lm, text):

@@ -12,6 +12,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from sfcl.server.sse import format_frame, named_event
+from sfcl.snapshot.mechanisms import DEFAULT_STEER
 from sfcl.server.testing import FakeEngine, parse_sse
 
 MODEL = "fake-model"
@@ -149,7 +150,7 @@ def test_content_blocks_system_blocks_and_merged_turns(serve):
     assert sent == [{"role": "user", "content": "a\nb\nc"}, {"role": "assistant", "content": "ok"},
                     {"role": "user", "content": "d"}]
     p = eng.requests[-1].params
-    assert (p.max_tokens, p.temperature, p.top_p, p.steer) == (5, 0.2, 0.9, True)
+    assert (p.max_tokens, p.temperature, p.top_p, p.steer) == (5, 0.2, 0.9, DEFAULT_STEER)
 
 
 def test_snapshot_mode_header_overrides_body(serve):

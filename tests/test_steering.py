@@ -1,4 +1,5 @@
-"""Anchor-guided steering (sfcl.snapshot.steering, the runner's re-sample, the steer field/header)."""
+"""Steering: the kNN-LM mixture (sfcl.snapshot.steering), the runner's correction of the triggered
+token on the real model (every mechanism), and the ``steer`` field / header of both APIs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
 from sfcl.model.llama import AttnBatch
 from sfcl.serving import make_llm_engine
+from sfcl.snapshot.mechanisms import DEFAULT_STEER
 from sfcl.snapshot.steering import SteerConfig, anchor_distribution, interpolate
 
 
@@ -128,24 +130,74 @@ def test_steering_changes_the_token_when_a_crafted_anchor_fires(lm, nda_library,
     eng.runner.snapshotter.steer = SteerConfig(lambda_max=1.0)
     params = dict(max_tokens=2, snapshot_mode="always")
     [plain] = run_to_completion(eng, [(ids, SamplingParams(**params))])
-    [steered] = run_to_completion(eng, [(ids, SamplingParams(**params, steer=True))])
+    [steered] = run_to_completion(eng, [(ids, SamplingParams(**params, steer="knn"))])
     s0 = [e for e in steered if isinstance(e, SnapshotEvent)][0]
     p0 = [e for e in plain if isinstance(e, SnapshotEvent)][0]
     assert p0.token != " banana" and p0.steer is None
     assert s0.top[0].anchor_id == 0 and s0.top[0].score > 0.99 and s0.confidence > 0.9
     # the snapshot fired on the first token: the same position is re-sampled from the mixture
     assert s0.token == " banana" and s0.steer["changed"] and s0.steer["original_token"] == p0.token
+    assert s0.steer["mechanism"] == "knn" and s0.steer["token"] == " banana"
     assert s0.steer["lambda"] == pytest.approx(s0.confidence, rel=1e-6)
     assert text_of(steered).startswith(" banana") or text_of(steered).startswith("banana")
     assert s0.token_logprob < p0.token_logprob  # reported logprob is the model's, of the emitted token
     # greedy + steering is deterministic; sampled + steering reproduces with a seed
-    [again] = run_to_completion(eng, [(ids, SamplingParams(**params, steer=True))])
+    [again] = run_to_completion(eng, [(ids, SamplingParams(**params, steer="knn"))])
     assert text_of(again) == text_of(steered)
-    sampled = [run_to_completion(eng, [(ids, SamplingParams(**params, steer=True, temperature=0.8, seed=7))])[0]
+    sampled = [run_to_completion(eng, [(ids, SamplingParams(**params, steer="knn", temperature=0.8, seed=7))])[0]
                for _ in range(2)]
     assert text_of(sampled[0]) == text_of(sampled[1])
     s1 = [e for e in sampled[0] if isinstance(e, SnapshotEvent)][0]
     assert s1.steer is not None and s1.token == " banana"  # lambda ~1 leaves almost no other choice
+
+
+def test_every_mechanism_answers_and_reports_what_it_did(lm, nda_library):
+    """On the real model with a contract: each mechanism (and a combination) answers, every
+    looked-up token of a steered request carries a ``steer`` record naming its mechanism, and a
+    changed token is the one emitted. Observe-only requests in the same batch are untouched."""
+    from sfcl.snapshot.mechanisms import no_document_messages
+
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=6, max_model_len=1024))
+    msgs = [{"role": "user", "content": "Contract:\nThis Agreement is between Acme Widgets Inc. and Beta Labs LLC. "
+                                        "The Recipient shall return all Confidential Information within thirty (30) "
+                                        "days of a written request. This Agreement is governed by the laws of the "
+                                        "State of New York.\n\nQuestion: Within how many days must information be "
+                                        "returned, and which law governs?"}]
+    enc = lambda m, sys_=None: lm.tokenizer(lm.tokenizer.apply_chat_template(  # noqa: E731
+        ([{"role": "system", "content": sys_}] if sys_ else []) + m, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False)["input_ids"]
+    ids, cad_ids = enc(msgs), enc(*no_document_messages(msgs, None))
+    steers = ["", "source", "cad", "knn", "source+cad"]
+    evs = run_to_completion(eng, [(ids, SamplingParams(max_tokens=24, snapshot_mode="always", steer=st,
+                                                       cad_prompt_ids=cad_ids)) for st in steers])
+    plain = text_of(evs[0])
+    assert plain
+    for st, ev in zip(steers[1:], evs[1:]):
+        snaps = [e for e in ev if isinstance(e, SnapshotEvent)]
+        assert text_of(ev) and snaps and all(e.steer is not None for e in snaps)
+        mech = "+".join(sorted(st.split("+"), key=("cad", "knn", "source").index))
+        assert {e.steer["mechanism"] for e in snaps} == {mech}
+        for e in snaps:
+            assert e.token == e.steer["token"] and e.steer["changed"] == (e.steer["token"] != e.steer["original_token"])
+            if "source" in st and e.steer["supported"]:
+                assert e.steer["source_span"]["text"].strip()
+            if "cad" in st:
+                assert 0.0 <= e.steer["alpha"] <= 1.0
+    assert all(e.steer is None for e in evs[0] if isinstance(e, SnapshotEvent))
+    [again] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=24, snapshot_mode="always"))])
+    assert text_of(again) == plain  # steering its neighbours left the observe-only answer as it was
+
+
+def test_steering_a_prompt_with_nothing_to_ground_in_still_answers(lm, nda_library):
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, max_model_len=256))
+    ids = chat_ids(lm, "Hi")
+    [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=16, snapshot_mode="always", steer="source+cad"))])
+    snaps = [e for e in ev if isinstance(e, SnapshotEvent)]
+    assert text_of(ev) and snaps
+    # no document: cad says so; no entity of the answer is found in the prompt: no source span
+    assert all(e.steer["reason"] in ("no_document", "not_entity", "no_supported_candidate") for e in snaps)
+    assert all(e.steer["source_span"] is None for e in snaps if e.steer["reason"] == "no_supported_candidate")
+    assert all(e.steer["alpha"] is None for e in snaps)
 
 
 def test_steer_header_and_body_validation(serve):
@@ -160,6 +212,18 @@ def test_steer_header_and_body_validation(serve):
     r = httpx.post(url + "/v1/chat/completions", json={**body, "steer": True},
                    headers={"x-sfcl-steer": "off", "x-sfcl-snapshot": "off"})
     assert r.status_code == 200  # the header wins over the body
-    assert engine.requests[-1].params.steer is False
+    assert engine.requests[-1].params.steer == ()
     r = httpx.post(url + "/v1/messages", json=body, headers={**h, "x-sfcl-steer": "on"})
-    assert r.status_code == 200 and engine.requests[-1].params.steer is True
+    assert r.status_code == 200 and engine.requests[-1].params.steer == DEFAULT_STEER
+    for value, expect in (("source", ("source",)), ("source+cad", ("cad", "source")), (["knn"], ("knn",))):
+        r = httpx.post(url + "/v1/messages", json={**body, "steer": value}, headers=h)
+        assert r.status_code == 200 and engine.requests[-1].params.steer == expect
+    # an unknown mechanism is a 400 in each API's own error format, naming the field and the values
+    r = httpx.post(url + "/v1/messages", json={**body, "steer": "banana"}, headers=h)
+    err = r.json()
+    assert r.status_code == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert "steer" in err["error"]["message"] and "'source'" in err["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "steer": "source+banana"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steer" and "'cad'" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "steer": 3})
+    assert r.status_code == 400 and "steer" in r.json()["error"]["message"]

@@ -8,29 +8,65 @@ import pytest
 import torch
 
 from sfcl.snapshot import entity
-from sfcl.snapshot.triggers import (Calibration, TriggerConfig, anchor_confidence, attention_dispersion,
-                                    dispersion_length_table, dispersion_trigger, entity_low_confidence, surprisal_trigger,
-                                    token_entropy)
+from sfcl.snapshot.triggers import (TRIGGER_NAMES, Calibration, TriggerConfig, anchor_confidence,
+                                    anchor_confidence_each, attention_dispersion, dispersion_length_table, fire,
+                                    token_entropy, trigger_signals, window_mean)
 
 CAL = Calibration(surprisal_mean=2.5, surprisal_std=2.0, dispersion_mean=0.3, dispersion_std=0.1)
 
 
+def fires(trigger: str, cfg: TriggerConfig = TriggerConfig(), *, logp=None, in_entity=None, d3=None, n=None,
+          lookback=None, cal: Calibration = CAL) -> list[bool]:
+    """One trigger's column of ``fire(trigger_signals(...))`` for a batch (the runner's rule)."""
+    B = len(next(x for x in (logp, in_entity, d3, lookback) if x is not None))
+    lp = torch.tensor(logp if logp is not None else [-0.01] * B, dtype=torch.float32)
+    ent = torch.tensor(in_entity if in_entity is not None else [False] * B)
+    d = torch.tensor(d3 if d3 is not None else [float("nan")] * B, dtype=torch.float32)
+    lb = None if lookback is None else torch.tensor(lookback, dtype=torch.float32)
+    sig = trigger_signals(lp, ent, d, None if n is None else torch.tensor(n), lb, cal)
+    return fire(sig, cfg)[:, TRIGGER_NAMES.index(trigger)].tolist()
+
+
 def test_entity_low_confidence_needs_both_conditions():
-    p = torch.tensor([0.5, 0.5, 0.9, 0.849])
-    inside = torch.tensor([True, False, True, True])
-    assert entity_low_confidence(p, inside).tolist() == [True, False, False, True]
-    assert entity_low_confidence(p, inside, threshold=0.4).tolist() == [False, False, False, False]
+    logp = [math.log(x) for x in (0.5, 0.5, 0.9, 0.849)]
+    inside = [True, False, True, True]
+    assert fires("entity_low_confidence", logp=logp, in_entity=inside) == [True, False, False, True]
+    assert fires("entity_low_confidence", TriggerConfig(entity_prob_threshold=0.4), logp=logp,
+                 in_entity=inside) == [False, False, False, False]
 
 
 def test_surprisal_trigger_is_two_sided_z_score():
-    s = torch.tensor([2.5, 6.4, 6.6, 0.0, -1.6])  # z = 0, 1.95, 2.05, -1.25, -2.05
-    assert surprisal_trigger(s, CAL).tolist() == [False, False, True, False, True]
-    assert surprisal_trigger(s, CAL, z=1.0).tolist() == [False, True, True, True, True]
+    s = [2.5, 6.4, 6.6, 0.0, -1.6]  # z = 0, 1.95, 2.05, -1.25, -2.05 (a negative surprisal only in this test)
+    logp = [-x for x in s]
+    assert fires("surprisal_deviation", logp=logp) == [False, False, True, False, True]
+    assert fires("surprisal_deviation", TriggerConfig(surprisal_z=1.0), logp=logp) == [False, True, True, True, True]
 
 
-def test_dispersion_trigger_one_sided():
-    d3 = torch.tensor([0.3, 0.41, 0.43, 0.0])  # z = 0, 1.1, 1.3, -3
-    assert dispersion_trigger(d3, CAL).tolist() == [False, False, True, False]
+def test_dispersion_trigger_one_sided_and_undefined_before_the_window():
+    d3 = [0.3, 0.41, 0.43, 0.0, float("nan")]  # z = 0, 1.1, 1.3, -3, undefined
+    assert fires("attention_dispersion", d3=d3) == [False, False, True, False, False]
+
+
+def test_lookback_trigger_fires_above_its_probability_and_never_without_a_model():
+    assert fires("lookback_ratio", lookback=[0.2, 0.6]) == [False, True]
+    assert fires("lookback_ratio", TriggerConfig(lookback_threshold=0.1), lookback=[0.2, 0.6]) == [True, True]
+    assert fires("lookback_ratio", TriggerConfig(lookback_threshold=0.01), d3=[0.3, 0.3]) == [False, False]
+
+
+def test_disabled_triggers_never_fire_and_cutoffs_round_trip():
+    cfg = TriggerConfig(enabled=("surprisal_deviation",))
+    sig = trigger_signals(torch.tensor([-9.0]), torch.tensor([True]), torch.tensor([0.9]), None, torch.tensor([0.99]),
+                          CAL)
+    assert fire(sig, cfg).tolist() == [[False, False, True, False]]
+    assert fire(sig, TriggerConfig()).tolist() == [[True, True, True, True]]
+    c = TriggerConfig(entity_prob_threshold=0.3, dispersion_z=0.7, surprisal_z=1.5, lookback_threshold=0.8)
+    assert TriggerConfig.thresholds_from_cutoffs(c.cutoffs()) == c.thresholds()
+
+
+def test_window_mean_is_undefined_until_the_window_is_full():
+    hist = torch.tensor([[0.0, 0.0, 0.6], [0.0, 0.3, 0.6], [0.3, 0.6, 0.9]])
+    m = window_mean(hist, torch.tensor([1, 2, 3]), 3)
+    assert torch.isnan(m[:2]).all() and m[2].item() == pytest.approx(0.6)
 
 
 def test_attention_dispersion_bounds():
@@ -57,7 +93,9 @@ def test_anchor_confidence_half_at_typical_spread():
     spread = 0.2
     lam = math.log(2) / spread
     scores = torch.tensor([[1 - spread, 0.1, 0.0], [1.0, 0.0, 0.0]])
-    conf = anchor_confidence(scores, torch.tensor([[1.0, 1.0, 1.0], [0.3, 1, 1]]), torch.full((2, 3), lam))
+    w = torch.tensor([[1.0, 1.0, 1.0], [0.3, 1, 1]])
+    conf = anchor_confidence(scores, w, torch.full((2, 3), lam))
+    assert torch.equal(conf, anchor_confidence_each(scores, w, torch.full((2, 3), lam)).amax(-1))  # one formula
     assert conf[0].item() == pytest.approx(0.5, abs=1e-5)
     assert conf[1].item() == pytest.approx(0.3, abs=1e-5)
 
@@ -97,6 +135,11 @@ def test_entity_span_rules():
     assert walk([" under", " Clause", " 7", "(", "b", ")", " of"]) == [False, True, True, True, True, True, False]
     # a lone "(" outside an entity is not an entity
     assert walk([" see", " (", "a", ")"]) == [False, False, False, False]
+    # the host walk (steering, calibration) applies the same rule
+    toks = [" under", " Clause", " 7", "(", "b", ")", " of", " The", " party", " Acme", " Corp"]
+    table = [c(t) for t in toks]
+    host = [bool(x & entity.IN_ENTITY) for x in entity.span_states(list(range(len(toks))), table)]
+    assert host == walk(toks)
 
 
 # -- dispersion statistics per attended length ---------------------------------------------------
@@ -142,14 +185,9 @@ def test_length_table_round_trip_and_interpolation():
     assert mu_mid.item() == pytest.approx((tab["mean"][2] + tab["mean"][3]) / 2, abs=3e-3)
     lo, _ = cal.dispersion_stats(torch.tensor([2, 100000]), torch.zeros(2))
     assert lo.tolist() == pytest.approx([tab["mean"][0], tab["mean"][-1]], abs=1e-6)
-    # the numpy twin (used by `sfcl anchors calibrate`) agrees with the device version
-    q = torch.tensor([3, 17, 40, 300, 1500, 9000])
-    mu_t, sd_t = cal.dispersion_stats(q, torch.zeros(len(q)))
-    mu_n, sd_n = cal.dispersion_stats_np(q.numpy())
-    assert np.allclose(mu_t.numpy(), mu_n, atol=1e-5) and np.allclose(sd_t.numpy(), sd_n, atol=1e-5)
     # with the table the trigger reads the length: the same D3 fires at a long context only
-    d = torch.tensor([tab["mean"][0], tab["mean"][0]])
-    assert dispersion_trigger(d, cal, 1.2, torch.tensor([20, 2000])).tolist() == [False, True]
+    d = [tab["mean"][0], tab["mean"][0]]
+    assert fires("attention_dispersion", d3=d, n=[20, 2000], cal=cal) == [False, True]
 
 
 def test_old_flat_calibration_still_loads_and_behaves_as_before():
@@ -157,12 +195,12 @@ def test_old_flat_calibration_still_loads_and_behaves_as_before():
            "n_positions": 100, "share_surprisal_z2": 0.05}  # manifest of a library built before the table
     cal = Calibration.from_dict(old)
     assert not cal.by_length and cal == CAL
-    d3 = torch.tensor([0.3, 0.41, 0.43, 0.0])
-    n = torch.tensor([20, 200, 2000, 5000])
-    assert dispersion_trigger(d3, cal, 1.2, n).tolist() == dispersion_trigger(d3, cal).tolist() == \
+    d3 = [0.3, 0.41, 0.43, 0.0]
+    n = [20, 200, 2000, 5000]
+    assert fires("attention_dispersion", d3=d3, n=n, cal=cal) == fires("attention_dispersion", d3=d3, cal=cal) == \
         [False, False, True, False]
-    mu, sd = cal.dispersion_stats_np(np.array([5, 5000]))
-    assert mu.tolist() == [0.3, 0.3] and sd.tolist() == [0.1, 0.1]
+    mu, sd = cal.dispersion_stats(torch.tensor([5, 5000]), torch.zeros(2))
+    assert mu.tolist() == pytest.approx([0.3, 0.3]) and sd.tolist() == pytest.approx([0.1, 0.1])
 
 
 @pytest.mark.parametrize("table", [
@@ -198,7 +236,7 @@ def test_short_context_trigger_rate_is_not_pathological():
                                      "dispersion_std": flat.dispersion_std, "dispersion_by_length": table})
     short = [int(x) for x in torch.randint(40, 160, (150,), generator=gen)]
     d, n = _dispersion_sample(short, gen)
-    rate_flat = dispersion_trigger(d, flat, 1.2, n).float().mean().item()
-    rate_len = dispersion_trigger(d, per_len, 1.2, n).float().mean().item()
+    rate_flat = float(np.mean(fires("attention_dispersion", d3=d.tolist(), n=n.tolist(), cal=flat)))
+    rate_len = float(np.mean(fires("attention_dispersion", d3=d.tolist(), n=n.tolist(), cal=per_len)))
     assert rate_flat > 0.25  # the failure mode this guards against (real chat prompts: 0.31)
     assert rate_len < 0.15  # about the one-sided tail beyond 1.2 sd (~0.12 for a normal)

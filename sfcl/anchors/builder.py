@@ -33,7 +33,7 @@ the corpus greedily (short ones: an instruction + one paragraph; long ones: a wh
 to ``calibration_long_tokens``, + a question) and from those generated tokens stores D3 statistics
 per attended-length bucket (``calibration.dispersion_by_length``, ``sfcl.snapshot.triggers``) and
 thresholds for a target share of triggering tokens (``calibration.thresholds``, the rule of
-``sfcl anchors calibrate``: ``sfcl.eval.calibrate.calibrate_thresholds``). With
+``sfcl anchors calibrate``: ``sfcl.snapshot.calibration.calibrate_thresholds``). With
 ``calibration_prompts=0`` the length table comes from the corpus positions and the source
 design's default thresholds stay.
 """
@@ -308,14 +308,14 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     """Greedy answers to ``prompts`` (token id lists; prefilled as the runner prefills prompt
     chunks, several per forward up to ``batch_tokens`` tokens, each attending only to itself;
     then decoded together as one batch, as the runner does; a row stops at EOS) with the runner's
-    per-token signals, as ``sfcl.eval.calibrate.TokenSignals`` (surprisal, D3, entity flag,
-    attended length)."""
-    from sfcl.eval.calibrate import TokenSignals, signals_from_tokens
+    per-token trigger inputs, as ``sfcl.snapshot.calibration.TokenRecords`` (log-probability,
+    entity flag, D3, attended length; no lookback features)."""
+    from sfcl.snapshot.calibration import TokenRecords, records_from_tokens
     from sfcl.snapshot.entity import vocab_class_table
 
     model = lm.model
     device = next(model.parameters()).device
-    table = vocab_class_table(lm.tokenizer, lm.args.vocab_size).cpu().numpy()
+    table = vocab_class_table(lm.tokenizer, lm.args.vocab_size).tolist()
     eos = set(lm.eos_token_ids or [])
     B = len(prompts)
     kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
@@ -359,8 +359,8 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     parts = []
     for r in range(B):
         n = next((j + 1 for j, t in enumerate(T_[r]) if t in eos), len(T_[r]))  # up to and with EOS
-        parts.append(signals_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r])))
-    return TokenSignals.concat(parts)
+        parts.append(records_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r])))
+    return TokenRecords.concat(parts)
 
 
 def serving_calibration(lm, docs: list[Document], cfg: BuildConfig, layer: int, corpus_cal: dict,
@@ -368,18 +368,18 @@ def serving_calibration(lm, docs: list[Document], cfg: BuildConfig, layer: int, 
     """Calibration entries from greedy serving-format answers (module docstring):
     ``dispersion_by_length``, ``thresholds`` and ``threshold_calibration``. Raises ValueError when
     the corpus yields no prompt or too few generated tokens for any length bucket."""
-    from sfcl.eval.calibrate import calibrate_thresholds
+    from sfcl.snapshot.calibration import calibrate_thresholds
     from sfcl.snapshot.triggers import Calibration
 
     prompts = calibration_prompts(lm, docs, cfg)
     if not prompts:
         raise ValueError("the corpus gives no serving-calibration prompt")
-    sig = serving_signals(lm, prompts, layer, cfg.calibration_tokens, progress, cfg.batch_tokens)
-    n_d3 = int(np.isfinite(sig.d3).sum())
-    table = dispersion_length_table(sig.d3, sig.n_attended, min_count=min(32, max(1, n_d3 // 4)),
+    rec = serving_signals(lm, prompts, layer, cfg.calibration_tokens, progress, cfg.batch_tokens)
+    n_d3 = int(np.isfinite(rec.d3).sum())
+    table = dispersion_length_table(rec.d3, rec.n_attended, min_count=min(32, max(1, n_d3 // 4)),
                                     source="greedy answers to chat-format prompts from the corpus (builder)")
     cal = Calibration.from_dict({**corpus_cal, "dispersion_by_length": table})
-    res = calibrate_thresholds(sig, cal, cfg.calibration_target)
+    res = calibrate_thresholds(rec.signals(cal), cal, cfg.calibration_target)
     return {"dispersion_by_length": table, "thresholds": res.thresholds,
             "threshold_calibration": {"target_rate": res.target, "achieved_rate": res.achieved,
                                       "per_trigger_rate": res.per_trigger, "per_trigger_share_q": res.q,

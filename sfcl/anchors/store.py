@@ -41,6 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sfcl.snapshot.boost import kind_multipliers  # noqa: F401  (the keyword-boost rule lives there, once)
+
 FORMAT = "sfcl-anchors"
 FORMAT_VERSION = 1
 TENSORS_FILE, SPANS_FILE, MANIFEST_FILE = "anchors.safetensors", "spans.json", "manifest.json"
@@ -86,11 +88,6 @@ class KeywordBoost:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 < m < float("inf")):
             raise ValueError(f"keyword_boost: 'multiplier' must be a finite number > 0, got {m!r}")
 
-    def matches(self, text: str) -> bool:
-        """True if ``text`` contains one of the keywords (case-insensitive)."""
-        low = text.lower()
-        return any(k.lower() in low for k in self.keywords)
-
     def to_json(self) -> dict:
         return {"keywords": list(self.keywords), "kinds": list(self.kinds),
                 "multiplier": float(self.multiplier)}
@@ -118,16 +115,6 @@ def parse_keyword_boost(obj) -> list[KeywordBoost]:
         except ValueError as e:
             raise ValueError(f"rule {i}: {e}") from None
     return rules
-
-
-def kind_multipliers(rules: list[KeywordBoost], text: str) -> dict[str, float]:
-    """Weight multiplier per anchor kind for a request ``text``: product over matching rules."""
-    out = {k: 1.0 for k in KIND_NAMES}
-    for r in rules:
-        if r.matches(text):
-            for k in r.kinds:
-                out[k] *= float(r.multiplier)
-    return out
 
 
 @dataclass

@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--no-marks", action="store_true", help="do not print snapshot markers")
+    g.add_argument("--steer", default=None,
+                   help="grounded correction when a snapshot fires: on (the default mechanism), source, cad, knn or "
+                        "a '+' combination (default: off, snapshots observe only)")
     add_model_flags(g)
     add_snapshot_flags(g)
     g.set_defaults(fn=cmd_generate)
@@ -46,9 +49,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
         content = pick[0].text + "\n\n" + a.prompt
     built = build_engine(mc, ec, sc, progress=True)
     eng = built.engine
-    ids = eng.encode_chat([{"role": "user", "content": content}], a.system)
+    messages = [{"role": "user", "content": content}]
+    ids = eng.encode_chat(messages, a.system)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            snapshot_mode=a.snapshot_mode, seed=a.seed)
+                            snapshot_mode=a.snapshot_mode, seed=a.seed, steer=a.steer)
+    if "cad" in params.steer:  # cad contrasts with the request without its document
+        from sfcl.snapshot.mechanisms import no_document_messages
+
+        nd = no_document_messages(messages, a.system)
+        params.cad_prompt_ids = eng.encode_chat(*nd) if nd else None
     tty = sys.stdout.isatty()
     dim, off = ("\033[2;36m", "\033[0m") if tty else ("", "")
     rc = 0
@@ -59,7 +68,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
             if isinstance(ev, TextDelta):
                 sys.stdout.write(ev.text)
             elif isinstance(ev, SnapshotEvent) and not a.no_marks:
-                sys.stdout.write(f"{dim}⟦snapshot {ev.trigger} anchor={ev.anchor_id} conf={ev.confidence:.2f}⟧{off}")
+                st = (f" steer={ev.steer['mechanism']}:{ev.steer['original_token']!r}->{ev.steer['token']!r}"
+                      if ev.steer else "")
+                sys.stdout.write(f"{dim}⟦snapshot {ev.trigger} anchor={ev.anchor_id} conf={ev.confidence:.2f}{st}⟧{off}")
             elif isinstance(ev, Finished):
                 s = ev.snapshot_summary
                 sys.stdout.write("\n")

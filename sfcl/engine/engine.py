@@ -199,8 +199,7 @@ class LLMEngine:
         best = hit.best_library_anchor  # the event's anchor_id is always a library row
         st.trigger_counts.update(hit.triggers)
         st.anchor_counts[best] += 1
-        steer = None if hit.steer is None else {"lambda": hit.steer.lam, "changed": hit.steer.changed,
-                                                "original_token": self.tok.decode([hit.steer.original_token])}
+        steer = None if hit.steer is None else self._steer_dict(st, hit.steer)
         e = SnapshotEvent(snapshot_id=st.n_snapshots, token_index=idx, trigger=hit.triggers[0],
                           triggers=hit.triggers, anchor_id=best, confidence=hit.confidence,
                           token=self.tok.decode([res.token_id]), token_logprob=res.logprob,
@@ -208,6 +207,18 @@ class LLMEngine:
                           library_version=hit.library_version or None, steer=steer)
         st.n_snapshots += 1
         return e
+
+    def _steer_dict(self, st: RequestState, info) -> dict:
+        """The event's ``steer`` object: what grounded correction did to this token."""
+        span = None
+        if info.source_span is not None:
+            a, b = info.source_span
+            span = {"start": a, "end": b, "unit": "token",
+                    "text": self.tok.decode(st.seq.prompt_ids[a:b], skip_special_tokens=True)}
+        return {"mechanism": info.mechanism, "original_token": self.tok.decode([info.original_token]),
+                "token": self.tok.decode([info.token]), "changed": info.changed, "supported": info.supported,
+                "unsupported": info.supported is False, "source_span": span, "reason": info.reason or None,
+                "lambda": info.lam, "alpha": info.alpha}
 
     def _finish(self, st: RequestState, reason: str, stop_seq: str | None) -> list[tuple[str, EngineEvent]]:
         seq, rid = st.seq, st.seq.request_id

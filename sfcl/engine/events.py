@@ -46,7 +46,7 @@ class TextDelta:
 class SnapshotEvent:
     snapshot_id: int  # per-request counter, 0-based; used as the SSE ``id:``
     token_index: int  # generated-token index whose hidden state was looked up
-    trigger: str  # "entity_low_confidence" | "attention_dispersion" | "surprisal_deviation" | "always"
+    trigger: str  # "entity_low_confidence" | "attention_dispersion" | "surprisal_deviation" | "lookback_ratio" | "always"
     triggers: list[str]  # every trigger that fired on this token (``trigger`` is the first)
     anchor_id: int  # best anchor
     confidence: float  # in [0, 1], from similarity, weight and decay of the top anchors
@@ -56,7 +56,8 @@ class SnapshotEvent:
     top: list[AnchorHit] = field(default_factory=list)  # top-k anchors, best first
     lookup_ms: float = 0.0  # wall time of the anchor search for this step, milliseconds
     library_version: str | None = None  # anchor library version the request runs on (reload-safe)
-    steer: dict | None = None  # steered requests: {"lambda", "original_token", "changed"}
+    steer: dict | None = None  # steered requests: {"mechanism", "original_token", "token", "changed", "supported",
+    # "unsupported", "source_span": {"start", "end", "unit": "token", "text"} | None, "reason", "lambda", "alpha"}
 
 
 @dataclass(slots=True)

@@ -12,12 +12,12 @@ two for a while after a reload). On a CPU that search runs on a lookup thread, o
 the engine's next step (``overlap_lookup``), unless one of its rows steers.
 
 Steering timing: the triggers judge the token just sampled, and the lookup uses the hidden state
-of the same forward, i.e. the state that *produced* that token. Anchor next-token lists answer
-"what followed states like this one", so they are a distribution over that same position: the
-runner re-samples the token from the kNN-LM mixture before it is emitted (the logits are at hand,
-no extra forward, no extra transfer), rather than nudging the next position with stale evidence.
-Context anchors cost one copy of the prompt's snapshot-layer states to the CPU per prefill forward
-of a steering request (``ContextAnchors.add``; free on a CPU device, nothing for other requests).
+of the same forward, i.e. the state that *produced* that token. The steering mechanisms
+(``sfcl.snapshot.grounding``: source-constrained entities, adaptive CAD, the kNN-LM mixture) all
+correct that same position before the token is emitted: its logits are at hand (no extra forward
+for source and knn, no extra transfer); CAD runs one forward of the short no-document sequences
+of the step's triggered rows. Context anchors (knn only) cost one copy of the prompt's
+snapshot-layer states to the CPU per prefill forward of such a request (``ContextAnchors.add``).
 
 On CUDA (``sfcl.serving.make_llm_engine``): pure-decode steps run the decode forward from
 captured CUDA graphs (``sfcl.engine.graph_runner``; ``--enforce-eager`` turns that off), and the
@@ -28,7 +28,9 @@ results ride in the step's one transfer, so a step waits on the device once, loo
 from __future__ import annotations
 
 import concurrent.futures as cf
+import random
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -36,15 +38,16 @@ import torch
 from sfcl.engine import fused_lookup
 from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.kv_cache import KVCache
-from sfcl.engine.sampler import sample, steer_resample
+from sfcl.engine.sampler import sample
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
 from sfcl.engine.threads import set_thread_count
 from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, StepBatch
 from sfcl.snapshot.context import ContextAnchors
+from sfcl.snapshot.grounding import Grounding, SteerRow
+from sfcl.snapshot.lookback import lookback_ratios
 from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, Snapshotter,
                                        SnapshotState)
-from sfcl.snapshot.steering import SteerInfo
-from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion
+from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion, fire
 
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads
@@ -75,6 +78,8 @@ class SeqResult:
     dispersion: float  # snapshot-layer normalised attention entropy of the producing query
     snapshot: SnapshotHit | None  # set when this token was looked up (and the lookup is done)
     pending: PendingSnapshot | None = None  # set when this token's lookup runs overlapped
+    signals: list[float] = field(default_factory=list)  # the 4 trigger signals (TRIGGER_NAMES order), [] without snapshots
+    record: list[float] | None = None  # ModelRunner(record_signals=True): StepSignals.record columns
 
 
 @dataclass(slots=True)
@@ -93,7 +98,8 @@ class ModelRunner:
                  snapshotter: Snapshotter | None = None, device: str = "cpu",
                  context: ContextAnchors | None = None, graphs: DecodeGraphRunner | None = None,
                  fused_lookup: bool = False, compiled_decode=None, prefill_threads: int | None = None,
-                 decode_threads: int | None = None, overlap_lookup: bool = False):
+                 decode_threads: int | None = None, overlap_lookup: bool = False,
+                 grounding: Grounding | None = None, record_signals: bool = False):
         """graphs: static-buffer (CUDA-graph) decode for pure-decode steps (None: eager).
         fused_lookup: search every sampled row on the device and bring the results over in the
         step's one transfer (``sfcl.engine.fused_lookup``; the default on CUDA).
@@ -109,13 +115,20 @@ class ModelRunner:
         ``snapshot``. Not when a looked-up row steers: its hit must re-sample the token before
         it is emitted, so that step's search (still one for all its rows) runs in the step, as
         every search does without this flag. Ignored with ``fused_lookup`` (the device search
-        already rides in the step's one transfer)."""
+        already rides in the step's one transfer).
+        grounding: steering state (``sfcl.snapshot.grounding``; None: requests steering with
+        source or cad get ``reason`` "no_source" / "cad_unavailable" in their events).
+        record_signals: every sampled row also carries its trigger inputs (``SeqResult.record``),
+        for calibration and the evaluation."""
         if not 0 <= tap_layer < model.a.n_layers:
             raise ValueError(f"snapshot layer {tap_layer} is outside 0..{model.a.n_layers - 1}")
         self.model, self.kv, self.tap_layer = model, kv, tap_layer
         self.snapshotter = snapshotter  # current library version; requests bind to it at admission
         self.device = device
-        self.state = SnapshotState(kv.n_slots + 1, snapshotter.cfg.dispersion_window if snapshotter else 3, device)
+        self.state = SnapshotState(kv.n_slots + 1, snapshotter.cfg.dispersion_window if snapshotter else 3, device,
+                                   model.a.n_heads)
+        self.grounding, self.record_signals = grounding, record_signals
+        self._random: dict[str, random.Random] = {}  # random-trigger control draws per request
         self.generators: dict[tuple[str, str], torch.Generator] = {}
         self.bindings: dict[str, Binding] = {}
         self.context = context if context is not None else ContextAnchors()  # prompt anchors (steering requests)
@@ -172,6 +185,9 @@ class ModelRunner:
             del self.generators[key]
         self.bindings.pop(request_id, None)
         self.context.release(request_id)
+        self._random.pop(request_id, None)
+        if self.grounding is not None:
+            self.grounding.release(request_id)
 
     def _generator(self, seq: Sequence, device: str | None = None) -> torch.Generator | None:
         if seq.params.temperature <= 0:
@@ -227,11 +243,13 @@ class ModelRunner:
             positions.extend(range(ch.start, ch.end))
             chunks.append(ChunkSpec(slot=seq.slot, start=ch.start, offset=off, length=ch.end - ch.start,
                                     want_probs=ch.is_last))
-            if seq.params.steer and self.snapshotter is not None:
+            if "knn" in seq.params.steer and self.snapshotter is not None:
                 steer_chunks.append((ch, off))
             out.prefill_tokens += ch.end - ch.start
             if ch.is_last:
                 self.state.reset(seq.slot)
+                if "source" in seq.params.steer and self.grounding is not None:
+                    self.grounding.prepare(seq.request_id, seq.prompt_ids)  # the source index, built at prefill
                 seqs.append(seq)
                 sample_index.append(len(ids) - 1)
                 n_valid.append(ch.end)
@@ -252,10 +270,13 @@ class ModelRunner:
         if not seqs:
             return out
         natt_t = torch.tensor(n_valid, device=self.device)  # (N,) int64 attended positions per row
+        ratios_t = None  # (N, nh) lookback ratios (not from a captured CUDA graph)
         if graph_out is not None:
             logits_t, hidden_t, disp_t = graph_out.logits, graph_out.hidden, graph_out.dispersion
         else:
-            logits_t, hidden_t, disp_t = so.logits, so.tap_hidden, self._dispersion(so.tap_probs, natt_t)
+            logits_t, hidden_t = so.logits, so.tap_hidden
+            nprompt_t = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)  # (N,)
+            disp_t, ratios_t = self._attention_signals(so.tap_probs, natt_t, nprompt_t)
         logp = torch.log_softmax(logits_t, dim=-1)  # (N, V)
         probs = logp.exp()  # (N, V): the entropy's, and the sampling distribution of rows at temperature 1
         ent = -(probs * logp).sum(-1)  # (N,) nats
@@ -264,21 +285,35 @@ class ModelRunner:
         tok_logp = logp.gather(1, tokens[:, None])[:, 0]  # (N,)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         modes = torch.tensor([MODE_CODES[s.params.snapshot_mode] for s in seqs], device=self.device)
-        fired = torch.zeros(len(seqs), 3, dtype=torch.bool, device=self.device)
+        K = len(TRIGGER_NAMES)
+        fired = torch.zeros(len(seqs), K, dtype=torch.bool, device=self.device)
+        sig = torch.full((len(seqs), K), float("-inf"), device=self.device)
         has_snap = torch.zeros(len(seqs), dtype=torch.bool, device=self.device)
+        rec = None
         binds = [self.binding(s) for s in seqs]
         for snap, idx in _groups(binds):  # one group per library version (one, except after a reload)
-            if len(idx) == len(seqs):
-                fired = snap.triggers(tokens, tok_logp, disp_t, slots, self.state, natt_t)  # (N, 3)
-                has_snap[:] = True
-            else:
-                ix = torch.tensor(idx, device=self.device)
-                fired[ix] = snap.triggers(tokens[ix], tok_logp[ix], disp_t[ix], slots[ix], self.state, natt_t[ix])
-                has_snap[ix] = True
+            ix = slice(None) if len(idx) == len(seqs) else torch.tensor(idx, device=self.device)
+            ss = snap.step_signals(tokens[ix], tok_logp[ix], disp_t[ix], None if ratios_t is None else ratios_t[ix],
+                                   slots[ix], self.state, natt_t[ix])
+            sig[ix], fired[ix], has_snap[ix] = ss.signals, fire(ss.signals, snap.cfg), True
+            if self.record_signals:
+                r_ = ss.record(tok_logp[ix], natt_t[ix])  # (n, 4 + F)
+                if rec is None:
+                    rec = torch.full((len(seqs), r_.shape[1]), float("nan"), dtype=torch.float64, device=self.device)
+                rec[ix] = r_
         fired = fired & (modes != MODE_OFF)[:, None]
         look = fired.any(1) | ((modes == MODE_ALWAYS) & has_snap)
-        packed = torch.stack([tokens.double(), tok_logp.double(), ent.double(), disp_t.double(),
-                              look.double()] + [fired[:, j].double() for j in range(3)], 1)  # (N, 8)
+        rand = [i for i, s in enumerate(seqs) if s.params.random_trigger > 0 and s.params.snapshot_mode != "off"]
+        if rand:  # evaluation control: a Bernoulli(rate) draw per token replaces the triggers
+            hit = [self._random_draw(seqs[i]) for i in rand]
+            ix = torch.tensor(rand, device=self.device)
+            fired[ix] = False
+            look[ix] = torch.tensor(hit, device=self.device) & has_snap[ix]
+        cols = [tokens.double(), tok_logp.double(), ent.double(), disp_t.double(), look.double(),
+                fired.double(), sig.double()]
+        if rec is not None:
+            cols.append(rec)
+        packed = torch.cat([c if c.dim() == 2 else c[:, None] for c in cols], 1)  # (N, 5 + 2K [+ record])
         fused = None
         if self.fused_lookup:  # device search of every row, one transfer for everything
             steer = [i for i, s in enumerate(seqs) if s.params.steer and binds[i] is not None
@@ -294,31 +329,46 @@ class ModelRunner:
         look_rows = [i for i, r in enumerate(rows) if r[4] > 0.5]
         if look_rows:
             hits, pending = self._lookup(seqs, binds, look_rows, rows, hidden_t, logits_t, slots, out, fused)
+        K = len(TRIGGER_NAMES)
         for i, (seq, r) in enumerate(zip(seqs, rows)):
-            out.results[seq.request_id] = SeqResult(token_id=int(r[0]), logprob=r[1], entropy=r[2],
-                                                    dispersion=r[3], snapshot=hits.get(i), pending=pending.get(i))
+            out.results[seq.request_id] = SeqResult(
+                token_id=int(r[0]), logprob=r[1], entropy=r[2], dispersion=r[3], snapshot=hits.get(i),
+                pending=pending.get(i), signals=r[5 + K:5 + 2 * K] if binds[i] is not None else [],
+                record=r[5 + 2 * K:] if len(r) > 5 + 2 * K else None)
         return out
 
+    def _random_draw(self, seq: Sequence) -> bool:
+        """One Bernoulli(``random_trigger``) draw for ``seq`` (seeded by its request id, so a run
+        repeats)."""
+        g = self._random.get(seq.request_id)
+        if g is None:
+            g = self._random[seq.request_id] = random.Random(zlib.crc32(seq.request_id.encode()))
+        return g.random() < seq.params.random_trigger
+
     @staticmethod
-    def _dispersion(tap_probs: list, nv: torch.Tensor) -> torch.Tensor:
-        """Attention dispersion (N,) of the sampled rows from the snapshot layer's weights, one
-        (B_part, nh, 1, S_part) tensor per part that samples (parts attend different lengths);
-        nv (N,) int64 attended positions per row."""
+    def _attention_signals(tap_probs: list, nv: torch.Tensor, n_prompt: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention dispersion (N,) and per-head lookback ratios (N, nh) of the sampled rows from
+        the snapshot layer's weights, one (B_part, nh, 1, S_part) tensor per part that samples
+        (parts attend different lengths); nv (N,) int64 attended positions per row, n_prompt (N,)
+        int64 prompt length of each row's sequence."""
         probs = [p[:, :, -1] for p in tap_probs if p is not None]  # (B_part, nh, S_part)
-        if len(probs) == 1:
-            return attention_dispersion(probs[0], nv)
-        out, i = [], 0
+        disp, ratios, i = [], [], 0
         for p in probs:
-            out.append(attention_dispersion(p, nv[i:i + p.shape[0]]))
-            i += p.shape[0]
-        return torch.cat(out)
+            b = p.shape[0]
+            disp.append(attention_dispersion(p, nv[i:i + b]))
+            ratios.append(lookback_ratios(p, nv[i:i + b], n_prompt[i:i + b]))
+            i += b
+        if len(probs) == 1:
+            return disp[0], ratios[0]
+        return torch.cat(disp), torch.cat(ratios)
 
     def _lookup(self, seqs: list[Sequence], binds: list[Binding | None], look_rows: list[int], rows: list[list],
                 hidden_t: torch.Tensor, logits_t: torch.Tensor, slots: torch.Tensor,
                 out: RunnerOutput, fused: fused_lookup.FusedTransfer | None = None
                 ) -> tuple[dict[int, SnapshotHit], dict[int, PendingSnapshot]]:
         """Batched anchor search for the looked-up rows (one per library version) and, for rows
-        that steer, the kNN-LM re-sample of their token. Updates ``rows`` in place for steered
+        that steer, the grounded correction of their token (``_steer``). Updates ``rows`` in place for steered
         rows (token id, model logprob of the new token). With ``fused`` the searches were done on
         the device and everything needed came over in the step's one transfer. Returns the hits
         by row, and the overlapped searches by row (``overlap_lookup``, no row steering)."""
@@ -338,7 +388,9 @@ class ModelRunner:
         pos = {i: j for j, i in enumerate(look_rows)}
         for snap, idx in _groups([binds[i] for i in look_rows]):
             rws = [look_rows[j] for j in idx]
-            names = [[TRIGGER_NAMES[k] for k in range(3) if rows[i][5 + k] > 0.5] or ["always"] for i in rws]
+            K = len(TRIGGER_NAMES)
+            names = [[TRIGGER_NAMES[k] for k in range(K) if rows[i][5 + k] > 0.5]
+                     or (["random"] if seqs[i].params.random_trigger > 0 else ["always"]) for i in rws]
             if self.overlap_lookup and fused is None and not any(seqs[i].params.steer for i in rws):
                 # nothing here steers: the search runs on the lookup thread, overlapped with the next step
                 fut = self._submit_lookup(snap.lookup, h_cpu[idx], boosts=[binds[i].boost for i in rws],
@@ -347,31 +399,41 @@ class ModelRunner:
                 continue
             got = snap.lookup(h_cpu[idx] if h_cpu is not None else None, boosts=[binds[i].boost for i in rws],
                               context=self.context,
-                              context_ids=[seqs[i].request_id if seqs[i].params.steer else None for i in rws],
+                              context_ids=[seqs[i].request_id if "knn" in seqs[i].params.steer else None for i in rws],
                               triggers=names, found=fused.found_for(snap, rws) if fused is not None else None,
                               search_ms=fused.search_ms[id(snap)] if fused is not None else 0.0)
             out.lookups += len(rws)
             out.lookup_ms += got[0].lookup_ms if got else 0.0
             hits.update(zip(rws, got))
-            # lambda 0 leaves the distribution as it was: no re-draw (a sampled row keeps its token)
-            st = [i for i in rws if seqs[i].params.steer and hits[i].confidence * snap.steer.lambda_max > 0]
+            st = [i for i in rws if seqs[i].params.steer]
             if st:
-                j = [pos[i] for i in st]
-                new, new_logp, lam = steer_resample(
-                    lg_cpu[j], [hits[i] for i in st], snap,
-                    [seqs[i].params.temperature for i in st], [seqs[i].params.top_p for i in st],
-                    [self._generator(seqs[i], "cpu") for i in st])
-                changed = []
-                for i, t, lp, l in zip(st, new, new_logp, lam):
-                    hits[i].steer = SteerInfo(lam=l, original_token=int(rows[i][0]), changed=t != int(rows[i][0]))
-                    if t != int(rows[i][0]):
-                        rows[i][0], rows[i][1] = float(t), lp
-                        changed.append(i)
-                if changed:  # the entity state must follow the token actually emitted
-                    ix = torch.tensor(changed, device=self.device)
-                    snap.retoken(torch.tensor([int(rows[i][0]) for i in changed], device=self.device),
-                                 slots[ix], self.state)
+                self._steer(seqs, st, [pos[i] for i in st], lg_cpu, rows, hits, snap, slots)
         return hits, pending
+
+    def _steer(self, seqs: list[Sequence], st: list[int], j: list[int], lg_cpu: torch.Tensor, rows: list[list],
+               hits: dict[int, SnapshotHit], snap: Snapshotter, slots: torch.Tensor) -> None:
+        """Grounded correction of the steered rows ``st`` (step rows; ``j`` their rows in lg_cpu)
+        before their tokens are emitted (``sfcl.snapshot.grounding``). Updates ``rows`` (token,
+        model logprob) and the entity state of rows whose token changed."""
+        if self.grounding is None:  # built without one (tests): no source index, no CAD side sequences
+            self.grounding = Grounding(snap.class_table, [])
+        g = self.grounding
+        todo = [SteerRow(request_id=seqs[i].request_id, mechanisms=seqs[i].params.steer,
+                         prompt_ids=seqs[i].prompt_ids, output_ids=seqs[i].output_ids, token=int(rows[i][0]),
+                         temperature=seqs[i].params.temperature, top_p=seqs[i].params.top_p,
+                         generator=self._generator(seqs[i], "cpu"), cad_prompt_ids=seqs[i].params.cad_prompt_ids,
+                         hit=hits[i], snap=snap) for i in st]
+        lg = lg_cpu[j]  # (n, V)
+        res = g.steer(todo, lg)
+        changed = []
+        for i, k, (t, info) in zip(st, range(len(st)), res):
+            hits[i].steer = info
+            if info.changed:
+                rows[i][0], rows[i][1] = float(t), float(torch.log_softmax(lg[k].float(), -1)[t])
+                changed.append(i)
+        if changed:  # the entity state must follow the token actually emitted
+            ix = torch.tensor(changed, device=self.device)
+            snap.retoken(torch.tensor([int(rows[i][0]) for i in changed], device=self.device), slots[ix], self.state)
 
 
 def _groups(binds: list[Binding | None]) -> list[tuple[Snapshotter, list[int]]]:

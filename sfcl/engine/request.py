@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import re
 
 from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.snapshot.mechanisms import parse_steer
 
 TAG_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -27,11 +28,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     snapshot_mode: str = "triggered"  # off | triggered | always
-    steer: bool = False  # anchor-guided steering (kNN-LM) + context anchors; observe-only when False
+    steer: tuple[str, ...] = ()  # steering mechanisms when a trigger fires (sfcl.snapshot.mechanisms.parse_steer:
+    # True, "source", "cad", "knn", "source+cad", ... are normalised to a tuple); () observes only
+    cad_prompt_ids: list[int] | None = None  # the prompt without its document (cad's second distribution)
+    random_trigger: float = 0.0  # evaluation control: a Bernoulli(rate) draw per token replaces the triggers
     tag: str | None = None  # business tag (header x-sfcl-tag, e.g. "high-risk"): metrics label, priority
     ignore_eos: bool = False  # keep generating past end-of-turn tokens up to max_tokens (benchmarks; vLLM's field)
 
     def __post_init__(self) -> None:
+        self.steer = parse_steer(self.steer)  # ValueError "steer: ..." on an unknown value
+        if not 0.0 <= float(self.random_trigger) <= 1.0:
+            raise ValueError("random_trigger must be in [0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError("max_tokens must be an integer >= 1")
         if not (0.0 <= float(self.temperature) <= 2.0):

@@ -130,26 +130,3 @@ def _nucleus(sp: torch.Tensor, si: torch.Tensor, top_p: torch.Tensor, u: torch.T
     keep = sp.cumsum(-1) - sp < top_p[:, None]  # (m, K)
     j = _inverse_cdf(torch.where(keep, sp, torch.zeros((), device=sp.device)), u)  # (m,)
     return si.gather(1, j[:, None])[:, 0]
-
-
-def steer_resample(logits: torch.Tensor, hits: list, snap, temperatures: list[float], top_ps: list[float],
-                   generators: list[torch.Generator | None]) -> tuple[list[int], list[float], list[float]]:
-    """Re-sample steered rows from the kNN-LM mixture of the model and the retrieved anchors.
-
-    logits: (n, V) float32 model logits on the CPU; hits: n ``SnapshotHit`` (their anchors and
-    confidence); snap: the ``Snapshotter`` they came from (anchor next-token lists, SteerConfig);
-    generators: CPU generators (None for greedy rows).
-    Returns (token ids, model log-probabilities of those tokens in nats, lambda used), n each.
-    lambda = lambda_max * confidence (adaptive interpolation, He et al. 2021); the mixture is
-    ``sfcl.snapshot.steering.interpolate`` (kNN-LM, Khandelwal et al. 2020).
-    """
-    from sfcl.snapshot.steering import anchor_distribution, interpolate
-
-    cfg = snap.steer
-    lam = torch.tensor([cfg.lambda_max * h.confidence for h in hits], dtype=torch.float32)  # (n,)
-    sc, nid, npr = snap.next_lists(hits)  # (n, k), (n, k, K), (n, k, K)
-    q = anchor_distribution(sc, nid, npr, logits.shape[1], cfg.tau)  # (n, V)
-    mixed = interpolate(logits, q, lam)  # (n, V) log-probs
-    tok = sample(mixed, temperatures, top_ps, generators)  # (n,)
-    model_logp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]  # (n,)
-    return tok.tolist(), model_logp.tolist(), lam.tolist()

@@ -36,6 +36,17 @@ class Item:
     prompt_ids: list[int]
     max_tokens: int
     meta: dict = field(default_factory=dict)  # anything the caller wants back (question, doc id, ...)
+    cad_prompt_ids: list[int] | None = None  # the prompt without its document (steering with cad)
+
+
+@dataclass(slots=True)
+class Snap:
+    """One snapshot event of a request, as the evaluation keeps it."""
+
+    token_index: int
+    triggers: list[str]
+    confidence: float
+    steer: dict | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +64,10 @@ class Record:
     e2e_ms: float = 0.0
     stop_reason: str = ""
     error: str | None = None
+    snapshots: list[Snap] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # generated ids (filled from a TokenRecorder)
+    signals: list[list[float]] = field(default_factory=list)  # per token: the 4 trigger signals
+    records: list[list[float]] = field(default_factory=list)  # per token: StepSignals.record columns
 
     @property
     def decode_s(self) -> float:
@@ -71,7 +86,10 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
     p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
     p.add_argument("--steer-lambda-max", type=float, default=0.5,
-                   help="kNN-LM interpolation weight at snapshot confidence 1 for the +steer configurations")
+                   help="kNN-LM interpolation weight at snapshot confidence 1 for the knn arms")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: eager decode instead of captured graphs (the lookback-ratio trigger reads attention "
+                        "weights that the graphs do not return)")
 
 
 def build(a: argparse.Namespace, progress: bool = True):
@@ -82,7 +100,8 @@ def build(a: argparse.Namespace, progress: bool = True):
     from sfcl.serving import build_engine
 
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
-    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024)
+    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024,
+                      enforce_eager=getattr(a, "enforce_eager", False))
     sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
                         steer_lambda_max=getattr(a, "steer_lambda_max", 0.5))
     return build_engine(mc, ec, sc, progress=progress)
@@ -116,6 +135,7 @@ async def _run_one(engine, item: Item, params: SamplingParams, sem: asyncio.Sema
                 rec.lookups += 1
                 for t in ev.triggers:
                     rec.triggers[t] = rec.triggers.get(t, 0) + 1
+                rec.snapshots.append(Snap(ev.token_index, list(ev.triggers), ev.confidence, ev.steer))
             elif isinstance(ev, Finished):
                 rec.prompt_tokens, rec.completion_tokens = ev.prompt_tokens, ev.completion_tokens
                 rec.ttft_ms, rec.e2e_ms, rec.stop_reason = ev.ttft_ms, ev.e2e_ms, ev.stop_reason
@@ -125,24 +145,72 @@ async def _run_one(engine, item: Item, params: SamplingParams, sem: asyncio.Sema
     return rec
 
 
-def run_items(engine, items: list[Item], *, snapshot_mode: str, steer: bool, max_in_flight: int = 32,
-              desc: str = "requests", progress: bool = True) -> tuple[list[Record], float]:
-    """Run ``items`` greedily (temperature 0) through an AsyncEngine, at most ``max_in_flight`` at a
-    time, submitted in list order. Returns (records in item order, wall seconds)."""
+class TokenRecorder:
+    """Wraps a ``ModelRunner.execute`` and keeps, per request id, the generated token ids, their
+    trigger signals and (``ModelRunner(record_signals=True)``) their recorded trigger inputs.
+
+    Install with ``with TokenRecorder(runner) as rec:`` while no request runs (the engine thread
+    calls it; read ``seqs`` once the requests finished). Exiting restores the runner."""
+
+    def __init__(self, runner, record_signals: bool = True):
+        self.runner, self.flag = runner, record_signals
+        self.seqs: dict[str, tuple[list[int], list[list[float]], list[list[float]]]] = {}
+
+    def __enter__(self) -> "TokenRecorder":
+        self.execute, self.was = self.runner.execute, self.runner.record_signals
+        self.runner.execute, self.runner.record_signals = self, self.flag
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.execute, self.runner.record_signals = self.execute, self.was
+
+    def __call__(self, plan):
+        out = self.execute(plan)
+        for rid, r in out.results.items():
+            t, s, rec = self.seqs.setdefault(rid, ([], [], []))
+            t.append(r.token_id)
+            s.append(list(r.signals))
+            if r.record is not None:
+                rec.append(list(r.record))
+        return out
+
+    def fill(self, recs: list[Record]) -> None:
+        """Copy the kept tokens into the records (and forget them)."""
+        for r in recs:
+            r.token_ids, r.signals, r.records = self.seqs.pop(r.request_id, ([], [], []))
+
+
+def run_requests(engine, jobs: list[tuple[Item, str, object, float]], *, max_in_flight: int = 32,
+                 on_done=None) -> list[Record]:
+    """Run (item, snapshot mode, steer, random-trigger rate) jobs greedily (temperature 0)
+    through an AsyncEngine, at most ``max_in_flight`` at a time, submitted in list order; items'
+    cad prompts go along. on_done: called after each request. Returns records in job order."""
     async def main() -> list[Record]:
         sem = asyncio.Semaphore(max_in_flight)
-        bar = tqdm(total=len(items), desc=desc, unit="req", disable=not progress, leave=False)
 
-        async def one(it: Item) -> Record:
-            p = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, snapshot_mode=snapshot_mode, steer=steer)
+        async def one(it: Item, mode: str, steer, rate: float) -> Record:
+            p = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, snapshot_mode=mode, steer=steer,
+                               cad_prompt_ids=it.cad_prompt_ids, random_trigger=rate)
             r = await _run_one(engine, it, p, sem)
-            bar.update(1)
+            if on_done is not None:
+                on_done()
             return r
-        try:
-            return list(await asyncio.gather(*(one(it) for it in items)))
-        finally:
-            bar.close()
+        return list(await asyncio.gather(*(one(*j) for j in jobs)))
 
+    return asyncio.run(main())
+
+
+def run_items(engine, items: list[Item], *, snapshot_mode: str, steer=False, max_in_flight: int = 32,
+              desc: str = "requests", progress: bool = True, random_trigger: float = 0.0
+              ) -> tuple[list[Record], float]:
+    """Run ``items`` under one setting (``run_requests``) with a progress bar. steer: a
+    ``SamplingParams.steer`` value; random_trigger: the random-trigger control's rate. Returns
+    (records in item order, wall seconds)."""
+    bar = tqdm(total=len(items), desc=desc, unit="req", disable=not progress, leave=False)
     t0 = time.perf_counter()
-    recs = asyncio.run(main())
+    try:
+        recs = run_requests(engine, [(it, snapshot_mode, steer, random_trigger) for it in items],
+                            max_in_flight=max_in_flight, on_done=lambda: bar.update(1))
+    finally:
+        bar.close()
     return recs, time.perf_counter() - t0

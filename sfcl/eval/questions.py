@@ -22,6 +22,13 @@ party               "Who are the parties to this Agreement?"     names after "be
 section_title       "What is the title of section 5?"            "Term" of a heading line "5. Term"
 section_number      "Which section covers Term?"                 "5"
 amount              cloze: the sentence with the amount blanked  "$10,000"
+duration_cloze      cloze: a duration blanked                    "thirty (30) days"
+date                cloze: a date blanked (scorer's pattern)     "March 1, 2025"
+reference           cloze: a clause reference's number blanked   "5.2" of "Section 5.2"
+organisation        cloze: an organisation name blanked          "Acme Widgets Inc."
+number              cloze: another number blanked                "10" of "10 business days"
+term                cloze: a quoted defined term blanked         "Confidential Information"
+name                cloze: a capitalised multi-word name blanked "Receiving Party"
 summary             "Summarise this Agreement ..."               none (scored on entity consistency only)
 ==================  ===========================================  =========================================
 
@@ -37,9 +44,10 @@ import zlib
 from dataclasses import asdict, dataclass, field
 
 from sfcl.anchors.corpus import Document
+from sfcl.eval.scorer import entity_pattern
 
 QUESTION_TYPES = ("duration", "governing_law", "jurisdiction", "party", "section_title", "section_number",
-                  "amount", "summary")
+                  "amount", "duration_cloze", "date", "reference", "organisation", "number", "term", "name", "summary")
 
 NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
                 "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety "
@@ -49,6 +57,8 @@ _NUMW = "|".join(NUMBER_WORDS)
 DURATION_RE = re.compile(
     rf"\b(?:(?:(?:{_NUMW})(?:[- ](?:{_NUMW}))*)\s*(?:\(\s*\d+\s*\)\s*)?|\d+\s*(?:\(\s*(?:{_NUMW})(?:[- ](?:{_NUMW}))*\s*\)\s*)?)"
     r"(?:calendar\s+|business\s+|working\s+)?(?:years?|months?|weeks?|days?)\b", re.I)
+TERM_RE = re.compile(r"[“\"]([A-Z][A-Za-z’' -]{2,40}?)[”\"]")  # a defined term: “Confidential Information”
+NAME_RE = re.compile(r"(?<=[a-z,;] )((?:[A-Z][a-z]+[ \t]+){1,3}[A-Z][a-z]+)\b")  # mid-sentence capitalised names
 AMOUNT_RE = re.compile(r"(?:\bUS\s?\$|\$|€|£|\b(?:USD|EUR|GBP)\s?)\s?\d[\d,]*(?:\.\d+)?(?:\s(?:million|thousand|billion))?"
                        r"|\b\d[\d,]*(?:\.\d+)?\s(?:dollars|euros|pounds)\b", re.I)
 _PLACE = r"(?:(?:the\s+)?(?:State|Commonwealth|Province|Republic|Kingdom|Federal Republic|County|City|Canton)\s+of\s+)?[A-Z][\w'’-]*(?:[ \t]+(?:of[ \t]+)?[A-Z][\w'’-]*){0,4}"
@@ -217,18 +227,49 @@ def section_questions(doc: Document) -> list[Question]:
     return out
 
 
-def amount_questions(doc: Document) -> list[Question]:
+def _cloze_questions(doc: Document, qtype: str, rx: re.Pattern, what: str, group: int = 0,
+                     need_digit: bool = False) -> list[Question]:
+    """One cloze question per match of ``rx``: its sentence with the match (or its ``group``)
+    blanked; the gold answer is the blanked text (with ``need_digit``: only when it holds a
+    digit). Skipped: clozes over 300 or under 40 characters, sentences with blanks already
+    ("____"), matches at a line start (list markers)."""
     out = []
-    for k, m in enumerate(AMOUNT_RE.finditer(doc.text)):
-        sent = _sentence(doc.text, m.start(), m.end())
-        lo = doc.text.find(sent, max(0, m.start() - len(sent)))
-        cloze = (doc.text[lo:m.start()] + "____" + doc.text[m.end():lo + len(sent)]).strip()
-        cloze = re.sub(r"\s+", " ", cloze)
-        if len(cloze) > 300:
+    for k, m in enumerate(rx.finditer(doc.text)):
+        a, b = m.span(group)
+        sp = _span(doc.text, a, b)
+        if not sp.text or (need_digit and not any(c.isdigit() for c in sp.text)):
             continue
-        out.append(Question(f"{doc.doc_id}#amount-{k}", doc.doc_id, "amount",
-                            f'What amount fills the blank in: "{cloze}"?', [_span(doc.text, m.start(), m.end())]))
+        sent = _sentence(doc.text, sp.start, sp.end)
+        if "__" in sent or (doc.text[max(0, sp.start - 1):sp.start] in ("", "\n")):  # placeholders, list markers
+            continue
+        lo = doc.text.find(sent, max(0, sp.start - len(sent)))
+        if lo < 0 or not lo <= sp.start < sp.end <= lo + len(sent):
+            continue
+        cloze = re.sub(r"\s+", " ", (doc.text[lo:sp.start] + "____" + doc.text[sp.end:lo + len(sent)]).strip())
+        if len(cloze) > 300 or len(cloze) < 40:  # too long to ask, or too little context to answer from
+            continue
+        out.append(Question(f"{doc.doc_id}#{qtype}-{k}", doc.doc_id, qtype,
+                            f'{what} fills the blank in: "{cloze}"?', [sp]))
     return out
+
+
+def amount_questions(doc: Document) -> list[Question]:
+    return _cloze_questions(doc, "amount", AMOUNT_RE, "What amount")
+
+
+def entity_cloze_questions(doc: Document) -> list[Question]:
+    """Cloze questions whose answer is an entity of the kinds the scorer checks: a duration, a
+    date, a clause reference number, an organisation name, another number (the scorer's own
+    patterns), a quoted defined term and a capitalised multi-word name (names the answer must
+    copy exactly)."""
+    return (_cloze_questions(doc, "duration_cloze", DURATION_RE, "What period")
+            + _cloze_questions(doc, "date", entity_pattern("date"), "What date")
+            + _cloze_questions(doc, "reference", entity_pattern("clause_ref"), "Which clause number", group=1,
+                               need_digit=True)
+            + _cloze_questions(doc, "organisation", entity_pattern("organisation"), "Which organisation", group=1)
+            + _cloze_questions(doc, "number", entity_pattern("number"), "What number", need_digit=True)
+            + _cloze_questions(doc, "term", TERM_RE, "Which defined term", group=1)
+            + _cloze_questions(doc, "name", NAME_RE, "Which name", group=1))
 
 
 def summary_question(doc: Document) -> Question:
@@ -238,7 +279,7 @@ def summary_question(doc: Document) -> Question:
 
 
 RULES = (duration_questions, law_questions, jurisdiction_questions, party_questions, section_questions,
-         amount_questions)
+         amount_questions, entity_cloze_questions)
 
 
 def all_questions(doc: Document) -> list[Question]:

@@ -138,6 +138,12 @@ _ENTITY_RES = (
 )
 
 
+def entity_pattern(kind: str) -> re.Pattern:
+    """The compiled pattern the scorer extracts entities of ``kind`` (ENTITY_KINDS) with
+    (clause_ref and organisation: the entity is group 1). Raises KeyError for an unknown kind."""
+    return dict(_ENTITY_RES)[kind]
+
+
 @dataclass(frozen=True, slots=True)
 class Entity:
     kind: str  # one of ENTITY_KINDS

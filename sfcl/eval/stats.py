@@ -1,9 +1,12 @@
 """Bootstrap confidence intervals for ratio-of-sums metrics (numpy, CPU).
 
-Percentile bootstrap (Efron & Tibshirani 1993, ch. 13) over *items* (requests): each replicate
-draws n item indices with replacement and recomputes the metric from the drawn items; the CI is the
-(alpha/2, 1-alpha/2) percentiles of the replicates. Drawing the same indices for every
-configuration (``paired``) keeps comparisons between configurations on the same questions.
+Percentile bootstrap (Efron & Tibshirani 1993, ch. 13): each replicate draws units with
+replacement and recomputes the metric from the drawn units; the CI is the (alpha/2, 1-alpha/2)
+percentiles of the replicates. Units are items, or - the *cluster bootstrap* (Field & Welsh 2007,
+"Bootstrapping clustered data") - whole documents: answers about one NDA are correlated, so
+resampling them one by one understates the variance. ``cluster_sums`` turns per-item columns into
+per-document sums and ``bootstrap_indices`` then draws documents; a ratio of sums is the same
+function either way. Drawing the same indices for every configuration keeps comparisons paired.
 """
 
 from __future__ import annotations
@@ -46,3 +49,21 @@ def estimate(fn: Callable[[np.ndarray | None], np.ndarray | float], idx: np.ndar
     v = fn(None)
     lo, hi = percentile_ci(fn(idx), alpha)
     return {"value": v, "ci_lo": lo, "ci_hi": hi}
+
+
+def cluster_sums(values: np.ndarray, groups: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Per-cluster sums of ``values`` (n,) for the clusters ``order`` (k,) (ids of ``groups`` (n,));
+    (k,) float64. Feed them to ``ratio_of_sums`` with ``bootstrap_indices(k, ...)``."""
+    pos = {g: i for i, g in enumerate(order.tolist())}
+    out = np.zeros(len(order))
+    np.add.at(out, np.array([pos[g] for g in np.asarray(groups).tolist()], dtype=np.int64), np.asarray(values, np.float64))
+    return out
+
+
+def draw_weights(idx: np.ndarray, k: int) -> np.ndarray:
+    """(reps, k) how often each of k clusters was drawn in each replicate of ``idx`` (reps, k)."""
+    w = np.zeros((idx.shape[0], k))
+    for r in range(idx.shape[0]):
+        np.add.at(w[r], idx[r], 1.0)
+    return w
+

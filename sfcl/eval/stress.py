@@ -256,7 +256,7 @@ def add_parser(sub) -> None:
     p.add_argument("--band-metric", default="per_minute", choices=["per_minute", "per_1k_tokens"],
                    help="which trigger rate the band applies to")
     p.add_argument("--strict", action="store_true", help="exit 1 when the overall rate is outside the band")
-    p.add_argument("--steer", action="store_true", help="request anchor-guided steering (in-process mode)")
+    p.add_argument("--steer", action="store_true", help="request the default steering (in-process mode)")
     p.add_argument("--seed", type=int, default=0, help="prompt generation seed")
     p.add_argument("--out", default=None, help="directory for stress.json and stress.md")
     add_engine_flags(p)

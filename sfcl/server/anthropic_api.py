@@ -5,7 +5,7 @@ Wire format follows https://docs.anthropic.com/en/api/messages and .../messages-
 ``message_delta``, ``message_stop``. SFCL adds:
 
 * request fields ``snapshot_mode`` ("off" | "triggered" | "always") and ``steer``; the headers
-  ``x-sfcl-snapshot`` and ``x-sfcl-steer: on|off`` override them;
+  ``x-sfcl-snapshot`` and ``x-sfcl-steer`` (on|off|source|cad|knn|a "+" combination) override them;
 * stream event ``snapshot_triggered`` (with an ``id:`` line = snapshot id) whenever the engine
   looks up the anchor library; clients that do not know it ignore it (the SDKs do);
 * ``sfcl`` field on the final message (``{"snapshots": summary, "snapshot_events": [...]}``) and
@@ -59,8 +59,10 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
-                        "header x-sfcl-steer: on|off wins")
+    steer: Union[bool, str, list[str]] = Field(
+        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
+        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
+        "mixture) or a '+' combination; header x-sfcl-steer wins")
     ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 

@@ -66,8 +66,10 @@ class ChatCompletionRequest(BaseModel):
     seed: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: bool = Field(False, description="anchor-guided steering (kNN-LM) when a snapshot fires; "
-                        "header x-sfcl-steer: on|off wins")
+    steer: Union[bool, str, list[str]] = Field(
+        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
+        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
+        "mixture) or a '+' combination; header x-sfcl-steer wins")
     ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 

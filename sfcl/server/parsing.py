@@ -22,6 +22,7 @@ from sfcl.engine.events import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.engine.request import TAG_RE, SamplingParams
 from sfcl.server.errors import ApiError, validation_api_error
+from sfcl.snapshot.mechanisms import no_document_messages, parse_steer
 
 SNAPSHOT_HEADER = "x-sfcl-snapshot"
 TAG_HEADER = "x-sfcl-tag"
@@ -147,23 +148,33 @@ def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
     return mode
 
 
-def resolve_steer(request: Request, body_steer: bool, mode: str) -> bool:
-    """Header ``x-sfcl-steer: on|off`` > body ``steer``. Steering acts when a snapshot fires, so
-    asking for it with snapshot mode ``off`` is a 400 rather than a silent no-op."""
+def resolve_steer(request: Request, body_steer: Any, mode: str) -> tuple[str, ...]:
+    """Header ``x-sfcl-steer`` > body ``steer`` (true / false / "source" / "cad" / "knn" / a
+    "+" combination / a list; ``sfcl.snapshot.mechanisms.parse_steer``): the mechanisms, or a 400
+    naming the field for an unknown value. Steering acts when a snapshot fires, so asking for it
+    with snapshot mode ``off`` is a 400 rather than a silent no-op."""
     header = request.headers.get(STEER_HEADER)
-    if header is not None:
-        v = header.strip().lower()
-        if v not in ("on", "off", "true", "false", "1", "0"):
-            raise ApiError(400, f"{STEER_HEADER}: invalid value {header!r}; expected on or off",
-                           param=STEER_HEADER)
-        steer = v in ("on", "true", "1")
-    else:
-        steer = bool(body_steer)
+    src = STEER_HEADER if header is not None else "steer"
+    try:
+        steer = parse_steer(header if header is not None else body_steer)
+    except ValueError as e:
+        raise ApiError(400, f"{src}: {str(e).removeprefix('steer: ')}", param=src) from None
     if steer and mode == "off":
-        src = STEER_HEADER if header is not None else "steer"
         raise ApiError(400, f"{src}: steering needs snapshots; use snapshot_mode 'triggered' or 'always'",
                        param=src)
     return steer
+
+
+async def attach_cad_prompt(engine: EngineClient, params: SamplingParams, messages: list[dict],
+                            system: str | None) -> None:
+    """For a request that steers with ``cad``: the token ids of the request without its document
+    (``sfcl.snapshot.mechanisms.no_document_messages``) go into ``params.cad_prompt_ids`` (left None
+    when the request has no document; its events then say so)."""
+    if "cad" not in params.steer:
+        return
+    nd = no_document_messages(messages, system)
+    if nd is not None:
+        params.cad_prompt_ids = await encode_prompt(engine, *nd)
 
 
 # Below these the sampler's float32 math breaks (logits / T overflows, top_p rounds to 0) and the

@@ -33,7 +33,7 @@ from sfcl.server.auth import check_api_key
 from sfcl.server.errors import ApiError
 from sfcl.server.generation import (KEEPALIVE, ClientGone, Collected, EngineEvents, collect,
                                     engine_error, start_generation)
-from sfcl.server.parsing import (check_model, encode_prompt, make_params, new_id, parse_model,
+from sfcl.server.parsing import (attach_cad_prompt, check_model, encode_prompt, make_params, new_id, parse_model,
                                  read_json, resolve_snapshot_mode, resolve_steer, resolve_tag)
 from sfcl.server.request_log import RequestLog
 from sfcl.server.sse import sse_response
@@ -152,6 +152,7 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
         ignore_eos=req.ignore_eos)
     prompt_ids = await encode_prompt(engine, prompt.messages, prompt.system)
     params = dataclasses.replace(params, max_tokens=api.max_tokens(engine, req, len(prompt_ids)))
+    await attach_cad_prompt(engine, params, prompt.messages, prompt.system)
     rlog.prompt_tokens = len(prompt_ids)
     ping_s: float = request.app.state.ping_interval_s
     headers = {api.id_header: rid}

@@ -77,15 +77,17 @@ def library_rules(lib) -> list[KeywordRule]:
     return parse_rules(getattr(lib, "keyword_boost", None) or [], src)
 
 
-def kind_multipliers(rules: list[KeywordRule], text: str) -> dict[str, float]:
-    """Multiplier per anchor kind for a request whose text is ``text`` ({} when nothing matches);
-    matching rules naming the same kind multiply."""
+def kind_multipliers(rules: list, text: str) -> dict[str, float]:
+    """Multiplier per anchor kind for a request whose text is ``text`` ({} when nothing matches):
+    a rule matches when the text contains one of its keywords (case-insensitive substring);
+    matching rules naming the same kind multiply. rules: ``KeywordRule``s, or any records with
+    ``keywords``, ``kinds`` and ``multiplier`` (the library's ``sfcl.anchors.store.KeywordBoost``)."""
     if not rules or not text:
         return {}
     low = text.lower()
     out: dict[str, float] = {}
     for r in rules:
-        if any(k in low for k in r.keywords):
+        if any(k.lower() in low for k in r.keywords):
             for kind in r.kinds:
                 out[kind] = out.get(kind, 1.0) * r.multiplier
     return out

@@ -12,7 +12,7 @@ anchors: with a 16-bit search copy, candidates max(4k, k + 16) by a 16-bit matmu
 float32 against the stored float16 vectors; with float32, exact outright. (A CPU ``AnchorIndex``
 over a large library may use IVF candidates instead; the snapshotter builds a dense one wherever
 the fused lookup is the default, on CUDA.) Confidences are
-``sfcl.snapshot.snapshotter.anchor_confidence_each`` of the library's weights and decays.
+``sfcl.snapshot.triggers.anchor_confidence_each`` of the library's weights and decays.
 
 Memory on the device: the search copy (N x D x 2 bytes in bf16) plus the stored float16 vectors
 for re-scoring (N x D x 2 more; none extra when the search dtype is float16): 128 MiB for
@@ -53,7 +53,7 @@ class DeviceAnchorIndex:
         ids (n, k') int64, confidence (n, k') float32), best first, k' = min(k, N).
         Raises ValueError for a wrong shape or k < 1.
         """
-        from sfcl.snapshot.snapshotter import anchor_confidence_each
+        from sfcl.snapshot.triggers import anchor_confidence_each
 
         if hidden.dim() != 2 or hidden.shape[1] != self.dim:
             raise ValueError(f"hidden must have shape (n, {self.dim}), got {tuple(hidden.shape)}")

@@ -1,11 +1,12 @@
 """Incremental State Snapshotter: per-step trigger evaluation and batched anchor lookups.
 
 Owned by the model runner (engine thread). Per step it receives, for every sequence in the batch,
-the sampled token, its model log-probability, the snapshot layer's attention dispersion and hidden
-state (all tensors on the model's device), keeps a little per-KV-slot state (last dispersion
-values, previous token's entity state), decides which sequences trigger, and runs *one* batched
-top-k search for all of them. Snapshots observe only, unless a request asked for steering
-(``sfcl.snapshot.steering``; the runner re-samples that token from the kNN-LM mixture).
+the sampled token, its model log-probability, the snapshot layer's attention dispersion, per-head
+lookback ratios and hidden state (all tensors on the model's device), keeps a little per-KV-slot
+state (last dispersion and lookback values, previous token's entity state), computes the trigger
+signals (``step_signals``; which triggers fire is ``sfcl.snapshot.triggers.fire``), and runs *one*
+batched top-k search for the rows that fired. Snapshots observe only, unless a request asked for
+steering (``sfcl.snapshot.grounding`` corrects that token before it is emitted).
 
 Each request is bound at admission to the Snapshotter current at that time (a ``Binding``), so a
 library reload (``LLMEngine.swap_library``) never changes the anchors under an in-flight request;
@@ -33,9 +34,9 @@ from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
 from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
 from sfcl.snapshot.context import ContextAnchors
+from sfcl.snapshot.lookback import LookbackModel, features
 from sfcl.snapshot.steering import SteerConfig, SteerInfo
-from sfcl.snapshot.triggers import (TRIGGER_NAMES, Calibration, TriggerConfig,
-                                    dispersion_trigger, entity_low_confidence, surprisal_trigger)
+from sfcl.snapshot.triggers import Calibration, TriggerConfig, anchor_confidence_each, trigger_signals, window_mean
 
 if TYPE_CHECKING:
     from sfcl.snapshot.device_search import DeviceAnchorIndex
@@ -79,26 +80,43 @@ def library_version(lib: AnchorLibrary) -> str:
 
 
 class SnapshotState:
-    """Per-KV-slot trigger state on the device; rows follow the scheduler's slot moves."""
+    """Per-KV-slot trigger state on the device; rows follow the scheduler's slot moves.
+    n_heads: query heads of the snapshot layer (the lookback-ratio window; 0: none kept)."""
 
-    def __init__(self, n_slots: int, window: int, device: str):
+    def __init__(self, n_slots: int, window: int, device: str, n_heads: int = 0):
         self.disp = torch.zeros(n_slots, window, device=device)  # last `window` dispersion values
+        self.lb = torch.zeros(n_slots, window, n_heads, device=device)  # last `window` lookback ratios per head
         self.count = torch.zeros(n_slots, dtype=torch.int64, device=device)  # values seen (capped)
         self.ent = torch.full((n_slots,), entity.SENT_END, dtype=torch.uint8, device=device)
         self.ent_prev = self.ent.clone()  # entity state before the last token (steering re-derives it)
         self.window = window
 
     def reset(self, slot: int) -> None:
-        self.disp[slot] = 0
-        self.count[slot] = 0
+        for t in (self.disp, self.lb, self.count):
+            t[slot] = 0
         self.ent[slot] = entity.SENT_END
         self.ent_prev[slot] = entity.SENT_END
 
     def move(self, src: int, dst: int) -> None:
-        self.disp[dst] = self.disp[src]
-        self.count[dst] = self.count[src]
-        self.ent[dst] = self.ent[src]
-        self.ent_prev[dst] = self.ent_prev[src]
+        for t in (self.disp, self.lb, self.count, self.ent, self.ent_prev):
+            t[dst] = t[src]
+
+
+@dataclass(slots=True)
+class StepSignals:
+    """Per-row trigger inputs and signals of one step (device tensors, B rows)."""
+
+    signals: torch.Tensor  # (B, 4) float32 ``trigger_signals`` (fire: ``triggers.fire``)
+    in_entity: torch.Tensor  # (B,) bool
+    d3: torch.Tensor  # (B,) float32 windowed dispersion, NaN before the window is full
+    features: torch.Tensor | None  # (B, F) float32 lookback features (None without lookback ratios)
+
+    def record(self, token_logp: torch.Tensor, n_attended: torch.Tensor) -> torch.Tensor:
+        """(B, 4 + F) float64 columns a calibration replays (``sfcl.snapshot.calibration.TokenRecords``):
+        token logprob, in_entity, d3, n_attended, then the lookback features."""
+        cols = [token_logp.double(), self.in_entity.double(), self.d3.double(), n_attended.double()]
+        f = [] if self.features is None else [self.features.double()]
+        return torch.cat([torch.stack(cols, 1)] + f, 1)
 
 
 @dataclass(slots=True)
@@ -113,7 +131,8 @@ class Snapshotter:
     """Triggers + anchor search over one library version.
 
     keyword_boost: extra rules (e.g. from ``--keyword-boost``) added to the library's own.
-    steer: kNN-LM settings. context_weight / context_decay: weight and decay of context anchors in
+    steer: kNN-LM settings. n_heads: query heads of the snapshot layer (checks that the library's
+    lookback model reads this model's heads). context_weight / context_decay: weight and decay of context anchors in
     ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
     typical cluster member gets confidence 0.5). approximate_search: on a CPU model, large
     libraries are searched through an IVF index (``sfcl.anchors.index.AnchorIndex``,
@@ -125,15 +144,19 @@ class Snapshotter:
     def __init__(self, library: AnchorLibrary, class_table: torch.Tensor, cfg: TriggerConfig | None = None,
                  top_k: int = 3, search_dtype: torch.dtype | None = None,
                  keyword_boost: list[KeywordRule] | None = None, steer: SteerConfig | None = None,
-                 context_weight: float = 1.0, context_decay: float | None = None, approximate_search: bool = True):
+                 context_weight: float = 1.0, context_decay: float | None = None, approximate_search: bool = True,
+                 n_heads: int | None = None):
         self.lib = library
         self.cfg = cfg or TriggerConfig()
         self.cal = Calibration.from_dict(library.calibration)
+        lb = (library.calibration or {}).get("lookback")
+        self.lookback = LookbackModel.from_dict(lb) if lb else None  # trigger 4's model (None: it never fires)
+        if self.lookback is not None and n_heads:
+            self.lookback.check(n_heads)
         # on CUDA the fused lookup searches on the device (DeviceAnchorIndex, dense): no IVF to build
         self.index = AnchorIndex(library, dtype=search_dtype or fast_float_dtype(),
                                  approximate=approximate_search and class_table.device.type == "cpu")
         self.class_table = class_table  # (V,) uint8, on the model's device
-        self.enabled = torch.tensor([n in self.cfg.enabled for n in TRIGGER_NAMES], device=class_table.device)  # (3,)
         self.top_k = top_k
         self.weights = library.weights.float()
         self.decay = library.decay.float()
@@ -152,34 +175,35 @@ class Snapshotter:
     def layer(self) -> int:
         return self.lib.layer
 
-    def triggers(self, tokens: torch.Tensor, token_logp: torch.Tensor, dispersion: torch.Tensor,
-                 slots: torch.Tensor, state: SnapshotState, n_attended: torch.Tensor | None = None) -> torch.Tensor:
-        """Evaluate the three triggers and advance the per-slot state.
+    def step_signals(self, tokens: torch.Tensor, token_logp: torch.Tensor, dispersion: torch.Tensor,
+                     ratios: torch.Tensor | None, slots: torch.Tensor, state: SnapshotState,
+                     n_attended: torch.Tensor | None = None) -> StepSignals:
+        """Advance the per-slot state by one token and compute the trigger signals.
 
-        tokens (B,) int64, token_logp (B,) float32, dispersion (B,) float32, slots (B,) int64,
-        n_attended (B,) int64: positions the producing query attended (selects the dispersion
-        calibration of that length; None: the library's flat statistics).
-        Returns (B, 3) bool in TRIGGER_NAMES order (disabled triggers are all False).
+        tokens (B,) int64, token_logp (B,) float32, dispersion (B,) float32, ratios (B, nh) float32
+        lookback ratios (None: not available, e.g. CUDA-graph decode), slots (B,) int64, n_attended
+        (B,) int64 positions the producing query attended (dispersion statistics of that length;
+        None: the library's flat statistics). Which triggers fire: ``triggers.fire(out.signals, cfg)``.
         """
         w = state.window
-        # shift the dispersion window of each slot and append the new value
-        hist = torch.cat([state.disp[slots, 1:], dispersion[:, None]], dim=1)  # (B, w)
-        state.disp[slots] = hist
         cnt = (state.count[slots] + 1).clamp_max(w)
         state.count[slots] = cnt
-        d3 = hist.sum(1) / cnt.float()  # zeros before the first value do not count
-        full = cnt >= w  # the statistic is defined over `w` generated tokens: none before that
+        hist = torch.cat([state.disp[slots, 1:], dispersion[:, None]], dim=1)  # (B, w): shift, append
+        state.disp[slots] = hist
+        d3 = window_mean(hist, cnt, w)  # (B,) NaN until w generated tokens
         state.ent_prev[slots] = state.ent[slots]
         ent_state = entity.entity_flags(self.class_table[tokens], state.ent[slots])
         state.ent[slots] = ent_state
         in_entity = (ent_state & entity.IN_ENTITY) != 0
-        p = token_logp.exp()
-        fired = torch.stack([
-            entity_low_confidence(p, in_entity, self.cfg.entity_prob_threshold),
-            dispersion_trigger(d3, self.cal, self.cfg.dispersion_z, n_attended) & full,
-            surprisal_trigger(-token_logp, self.cal, self.cfg.surprisal_z),
-        ], dim=1)  # (B, 3)
-        return fired & self.enabled
+        feats = lb_p = None
+        if ratios is not None and state.lb.shape[-1] == ratios.shape[1]:
+            lbh = torch.cat([state.lb[slots, 1:], ratios[:, None]], dim=1)  # (B, w, nh)
+            state.lb[slots] = lbh
+            mean = lbh.sum(1) / cnt.float()[:, None]  # (B, nh) over the tokens seen so far (<= w)
+            feats = features(ratios, mean, in_entity, -token_logp)  # (B, F)
+            lb_p = self.lookback.score(feats) if self.lookback is not None else None
+        sig = trigger_signals(token_logp, in_entity, d3, n_attended, lb_p, self.cal)  # (B, 4)
+        return StepSignals(signals=sig, in_entity=in_entity, d3=d3, features=feats)
 
     def retoken(self, tokens: torch.Tensor, slots: torch.Tensor, state: SnapshotState) -> None:
         """Re-derive the entity state of ``slots`` after steering replaced their last token
@@ -270,9 +294,3 @@ class Snapshotter:
                     nid[r, j] = self.lib.next_ids[a].long()
                     npr[r, j] = self.lib.next_probs[a].float()
         return sc, nid, npr
-
-
-def anchor_confidence_each(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """Per-anchor confidence (B, k): min(1, w * exp(-decay * max(0, 1 - s))), the terms whose max
-    is ``sfcl.snapshot.triggers.anchor_confidence``."""
-    return (weights * torch.exp(-decay * (1.0 - scores).clamp_min(0.0))).clamp(0.0, 1.0)

@@ -1,4 +1,14 @@
-"""Anchor-guided steering: kNN-LM interpolation of the next-token distribution at a snapshot.
+"""Steering settings (which mechanisms a request asked for, what steering did to a token) and the
+library-anchor kNN-LM mixture, one of the three mechanisms.
+
+``steer`` on a request (both APIs, ``sfcl generate``, ``SamplingParams.steer``) names the
+mechanisms applied when a trigger fires (``sfcl.snapshot.mechanisms.parse_steer``): ``"source"`` (source-constrained
+entities, ``sfcl.snapshot.source``), ``"cad"`` (trigger-gated adaptive context-aware decoding,
+``sfcl.snapshot.cad``), ``"knn"`` (the library-anchor mixture below), a ``+``-joined combination
+(applied as cad, knn, then source), ``true`` = ``DEFAULT_STEER`` (the mechanism that measured best,
+docs/fidelity.md), ``false`` / ``"off"`` = none. ``sfcl.snapshot.grounding`` applies them.
+
+kNN-LM mixture:
 
 Follows kNN-LM (Khandelwal et al. 2020, "Generalization through Memorization: Nearest Neighbor
 Language Models"): p(y) = (1 - lam) * p_model(y) + lam * p_anchors(y), with an adaptive
@@ -24,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 @dataclass(slots=True)
 class SteerConfig:
     lambda_max: float = 0.5  # interpolation weight at confidence 1 (kNN-LM tunes ~0.25 on text)
@@ -41,9 +50,15 @@ class SteerConfig:
 class SteerInfo:
     """What steering did to one token (crosses into the engine's update as part of a SnapshotHit)."""
 
-    lam: float  # interpolation weight used, lambda_max * confidence
+    mechanism: str  # the mechanisms applied, "+"-joined ("source", "cad+source", ...)
     original_token: int  # token the model alone had sampled
-    changed: bool  # the steered draw differs from original_token
+    token: int  # token emitted
+    changed: bool  # token != original_token
+    supported: bool | None = None  # source: the emitted token continues a prompt span (None: not checked)
+    source_span: tuple[int, int] | None = None  # source: prompt token positions [start, end) of that span
+    reason: str = ""  # why nothing was changed: "not_entity", "no_source", "no_supported_candidate", "no_document", ...
+    lam: float | None = None  # knn: interpolation weight used, lambda_max * confidence
+    alpha: float | None = None  # cad: contrast weight used (JS divergence, bits)
 
 
 def anchor_distribution(scores: torch.Tensor, next_ids: torch.Tensor, next_probs: torch.Tensor,

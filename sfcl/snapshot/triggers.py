@@ -1,5 +1,6 @@
-"""The three snapshot triggers and the per-token signals they read. Batched torch functions: they
-run on the model's device inside the engine step, one row per sequence.
+"""The snapshot triggers and the per-token signals they read. Batched torch functions: they run on
+the model's device inside the engine step, one row per sequence, and on the CPU when calibration
+(``sfcl.snapshot.calibration``) or the evaluation replays recorded tokens - the same functions.
 
 Signals (all natural-log units):
 - token probability p = softmax(logits)[token] of the *model* distribution (temperature 1);
@@ -23,6 +24,15 @@ Triggers (defaults from the source design where it gives one, ``docs/SEED.md``):
    interpolates linearly in log2 n between bucket centres (flat beyond the outer ones). A library
    without the table (older manifests) uses the flat ``dispersion_mean`` / ``dispersion_std``.
 3. ``surprisal_deviation``: |s - mu_s| / sigma_s > 2.0, corpus calibration as above.
+4. ``lookback_ratio``: the probability that the token belongs to an unsupported entity, from a
+   logistic regression over the snapshot layer's per-head lookback ratios (Lookback Lens, Chuang
+   et al. 2024; ``sfcl.snapshot.lookback``), above 0.5. Fires only when the library carries a
+   trained model (``calibration.lookback``).
+
+One rule for all four: every trigger reads one *signal* oriented so that it fires when
+``signal > cutoff`` (``trigger_signals``, ``fire``): -p inside entity spans (-inf outside), the
+dispersion z-score (-inf before the window is full), |surprisal z|, the lookback probability
+(-inf without a model). ``TriggerConfig.cutoffs`` maps the stored thresholds onto that scale.
 
 The thresholds can be recalibrated per library (``calibration.thresholds``, written by the
 builder's serving calibration and by ``sfcl anchors calibrate``; ``TriggerConfig.from_calibration``).
@@ -36,7 +46,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-TRIGGER_NAMES = ("entity_low_confidence", "attention_dispersion", "surprisal_deviation")
+TRIGGER_NAMES = ("entity_low_confidence", "attention_dispersion", "surprisal_deviation", "lookback_ratio")
+THRESHOLD_KEYS = ("entity_prob_threshold", "dispersion_z", "surprisal_z", "lookback_threshold")  # TRIGGER_NAMES order
 
 
 @dataclass(slots=True)
@@ -44,7 +55,8 @@ class TriggerConfig:
     entity_prob_threshold: float = 0.85  # trigger 1: p below this inside an entity span
     dispersion_z: float = 1.2  # trigger 2: z-score of D3 above this
     surprisal_z: float = 2.0  # trigger 3: |z-score| of surprisal above this
-    dispersion_window: int = 3  # tokens averaged into D3
+    lookback_threshold: float = 0.5  # trigger 4: lookback-model probability above this
+    dispersion_window: int = 3  # tokens averaged into D3 (and into the windowed lookback ratios)
     enabled: tuple[str, ...] = TRIGGER_NAMES
 
     def __post_init__(self) -> None:
@@ -52,11 +64,27 @@ class TriggerConfig:
             raise ValueError("entity_prob_threshold must be in (0, 1]")
         if self.dispersion_z <= 0 or self.surprisal_z <= 0:
             raise ValueError("z thresholds must be > 0")
+        if not 0.0 < self.lookback_threshold < 1.0:
+            raise ValueError("lookback_threshold must be in (0, 1)")
         if self.dispersion_window < 1:
             raise ValueError("dispersion_window must be >= 1")
         bad = set(self.enabled) - set(TRIGGER_NAMES)
         if bad:
             raise ValueError(f"unknown trigger(s) {sorted(bad)}; known: {', '.join(TRIGGER_NAMES)}")
+
+    def cutoffs(self) -> tuple[float, float, float, float]:
+        """Cutoffs on the ``trigger_signals`` scale, TRIGGER_NAMES order (fire: signal > cutoff)."""
+        return (-self.entity_prob_threshold, self.dispersion_z, self.surprisal_z, self.lookback_threshold)
+
+    def thresholds(self) -> dict[str, float]:
+        """The four thresholds as stored in a manifest's ``calibration.thresholds``."""
+        return {k: float(getattr(self, k)) for k in THRESHOLD_KEYS}
+
+    @staticmethod
+    def thresholds_from_cutoffs(cutoffs) -> dict[str, float]:
+        """Inverse of ``cutoffs``: {threshold key: value} for cutoffs in TRIGGER_NAMES order."""
+        c = [float(x) for x in cutoffs]
+        return {"entity_prob_threshold": -c[0], "dispersion_z": c[1], "surprisal_z": c[2], "lookback_threshold": c[3]}
 
     @classmethod
     def from_calibration(cls, calibration: dict) -> "TriggerConfig":
@@ -67,7 +95,7 @@ class TriggerConfig:
         thr = (calibration or {}).get("thresholds") or {}
         if not isinstance(thr, dict):
             raise ValueError(f"anchor library thresholds must be an object, got {type(thr).__name__}")
-        bad = set(thr) - {"entity_prob_threshold", "dispersion_z", "surprisal_z"}
+        bad = set(thr) - set(THRESHOLD_KEYS)
         if bad:
             raise ValueError(f"anchor library thresholds: unknown key(s) {sorted(bad)}")
         values = {}
@@ -147,15 +175,6 @@ class Calibration:
         t = ((x - x0) / (x1 - x0)).clamp(0.0, 1.0)
         return torch.lerp(ms[i - 1], ms[i], t), torch.lerp(ss[i - 1], ss[i], t)
 
-    def dispersion_stats_np(self, n_attended: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """NumPy twin of :meth:`dispersion_stats` (float64 arrays shaped like n_attended)."""
-        n = np.asarray(n_attended, np.float64)
-        if not self.by_length:
-            return np.full(n.shape, self.dispersion_mean), np.full(n.shape, self.dispersion_std)
-        x = np.log2(np.maximum(n, 1.0))
-        return (np.interp(x, self.dispersion_log2_n, self.dispersion_means),
-                np.interp(x, self.dispersion_log2_n, self.dispersion_stds))
-
 
 def dispersion_length_table(d3: np.ndarray, n_attended: np.ndarray, min_count: int = 64, source: str = "") -> dict:
     """Per-attended-length statistics of D3 for a manifest's ``dispersion_by_length``.
@@ -199,23 +218,46 @@ def attention_dispersion(probs: torch.Tensor, n_valid: torch.Tensor) -> torch.Te
     return torch.where(n_valid >= 2, ent / denom, torch.zeros_like(ent))
 
 
-def entity_low_confidence(token_prob: torch.Tensor, in_entity: torch.Tensor, threshold: float = 0.85) -> torch.Tensor:
-    """(B,) bool: token inside an entity-like span sampled with probability < threshold."""
-    return in_entity & (token_prob < threshold)
+def trigger_signals(token_logp: torch.Tensor, in_entity: torch.Tensor, d3: torch.Tensor,
+                    n_attended: torch.Tensor | None, lookback_p: torch.Tensor | None, cal: Calibration) -> torch.Tensor:
+    """The four trigger signals, oriented so that each trigger fires when its signal exceeds its
+    cutoff (``fire``).
+
+    token_logp (B,) float32 model log-probability of the token (nats); in_entity (B,) bool;
+    d3 (B,) float32 windowed dispersion, NaN where the window is not full yet; n_attended (B,)
+    int64 positions attended by the producing query (None: the library's flat statistics);
+    lookback_p (B,) float32 lookback-model probability (None: no model). Returns (B, 4) float32,
+    TRIGGER_NAMES order: [-p inside entity spans else -inf, (D3 - mu(n)) / sigma(n) else -inf,
+    |surprisal z|, lookback probability else -inf].
+    """
+    lp = token_logp.float()
+    ninf = torch.full_like(lp, float("-inf"))
+    mu, sd = cal.dispersion_stats(n_attended, lp)
+    dz = (d3.float() - mu) / sd
+    return torch.stack([
+        torch.where(in_entity, -lp.exp(), ninf),
+        torch.where(torch.isnan(dz), ninf, dz),
+        ((-lp - cal.surprisal_mean) / cal.surprisal_std).abs(),
+        ninf if lookback_p is None else lookback_p.float(),
+    ], dim=1)
 
 
-def dispersion_trigger(d3: torch.Tensor, cal: Calibration, z: float = 1.2,
-                       n_attended: torch.Tensor | None = None) -> torch.Tensor:
-    """(B,) bool: the 3-token mean dispersion is more than ``z`` calibration std above the
-    calibration mean for the attended length (``n_attended`` (B,) int64 of the latest token; None:
-    the flat statistics)."""
-    mu, sd = cal.dispersion_stats(n_attended, d3)
-    return (d3 - mu) / sd > z
+def fire(signals: torch.Tensor, cfg: TriggerConfig) -> torch.Tensor:
+    """(B, 4) bool: which triggers fire, from ``trigger_signals`` (B, 4) and the thresholds of
+    ``cfg`` (disabled triggers never fire). The one rule serving, calibration and the
+    evaluation apply."""
+    cut = torch.tensor(cfg.cutoffs(), dtype=signals.dtype, device=signals.device)  # (4,)
+    on = torch.tensor([n in cfg.enabled for n in TRIGGER_NAMES], device=signals.device)  # (4,)
+    return (signals > cut) & on
 
 
-def surprisal_trigger(surprisal: torch.Tensor, cal: Calibration, z: float = 2.0) -> torch.Tensor:
-    """(B,) bool: surprisal more than ``z`` corpus std from the corpus mean (either side)."""
-    return ((surprisal - cal.surprisal_mean) / cal.surprisal_std).abs() > z
+def window_mean(hist: torch.Tensor, count: torch.Tensor, window: int) -> torch.Tensor:
+    """Mean of the last ``window`` values per row: hist (B, window, ...) newest last, zeros before
+    the first value; count (B,) values seen (capped at window). NaN where fewer than ``window``
+    values were seen (the windowed statistic is undefined there). Returns (B, ...) float32."""
+    m = hist.float().sum(1) / count.clamp_min(1).float().view(-1, *([1] * (hist.dim() - 2)))
+    full = (count >= window).view(-1, *([1] * (hist.dim() - 2)))
+    return torch.where(full, m, torch.full_like(m, float("nan")))
 
 
 def token_entropy(logp: torch.Tensor) -> torch.Tensor:
@@ -223,16 +265,20 @@ def token_entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def anchor_confidence(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """Snapshot confidence from the top-k anchors.
+def anchor_confidence_each(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Per-anchor snapshot confidence.
 
     scores: (B, k) cosine similarities; weights, decay: (B, k) of the retrieved anchors.
-    conf_i = min(1, w_i * exp(-lambda_i * max(0, 1 - s_i))); returns (B,) max over i.
-    lambda_i is set at build time to ln 2 / (1 - typical member similarity of the anchor's
-    cluster), so a query as close as a typical member gets confidence 0.5 * w.
+    conf_i = min(1, w_i * exp(-lambda_i * max(0, 1 - s_i))), (B, k) float32. lambda_i is set at
+    build time to ln 2 / (1 - typical member similarity of the anchor's cluster), so a query as
+    close as a typical member gets confidence 0.5 * w.
     """
-    c = weights * torch.exp(-decay * (1.0 - scores).clamp_min(0.0))
-    return c.clamp(0.0, 1.0).amax(-1)
+    return (weights * torch.exp(-decay * (1.0 - scores).clamp_min(0.0))).clamp(0.0, 1.0)
+
+
+def anchor_confidence(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Snapshot confidence from the top-k anchors: (B,) max over k of ``anchor_confidence_each``."""
+    return anchor_confidence_each(scores, weights, decay).amax(-1)
 
 
 LN2 = math.log(2.0)
