@@ -90,7 +90,7 @@ def test_serving_signals_batched_prefill_equals_one_prompt_at_a_time(lm):
     prompts = calibration_prompts(lm, docs, BuildConfig(calibration_prompts=4, calibration_long_tokens=120))
     alone = serving_signals(lm, prompts, 22, 8, progress=False, batch_tokens=1)  # a batch holds at least one prompt
     together = serving_signals(lm, prompts, 22, 8, progress=False, batch_tokens=4096)
-    assert alone.surprisal.shape == together.surprisal.shape
-    np.testing.assert_allclose(together.surprisal, alone.surprisal, atol=1e-3)
+    assert alone.token_logp.shape == together.token_logp.shape
+    np.testing.assert_allclose(together.token_logp, alone.token_logp, atol=1e-3)
     np.testing.assert_allclose(together.d3, alone.d3, atol=1e-4)
     assert (together.in_entity == alone.in_entity).all()

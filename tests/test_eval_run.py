@@ -124,7 +124,7 @@ def test_eval_end_to_end_on_the_real_model(tmp_path, cache_dir, nda_library):
     from sfcl.cli import main
 
     out = tmp_path / "ev"
-    rc = main(["eval", "--docs", "0", "--calibrate-on", "1", "--questions-per-doc", "2", "--no-summary",
+    rc = main(["eval", "--docs", "0", "--calibrate-on", "2", "--questions-per-doc", "2", "--no-summary",
                "--arms", "off,always,triggered+source,random+source", "--max-doc-tokens", "300", "--max-tokens", "8",
                "--bootstrap", "50", "--speed-rounds", "1", "--anchors", str(nda_library.path),
                "--cache-dir", str(cache_dir), "--threads", "2", "--max-num-seqs", "4", "--out", str(out)])

@@ -88,7 +88,7 @@ def test_runner_records_lookback_features_and_fires_the_trigger(lm, nda_library)
         return out
     eng.runner.execute = spy
     ids = lm.tokenizer("The term is five years. How long is the term?")["input_ids"]
-    run_to_completion(eng, [(ids, SamplingParams(max_tokens=6, snapshot_mode="off"))])
+    run_to_completion(eng, [(ids, SamplingParams(max_tokens=6, snapshot_mode="off", ignore_eos=True))])
     assert len(seen) == 6 and all(len(r) == 4 + 2 * nh + 2 for r in seen)
     assert seen[0][4:4 + nh] == pytest.approx([1.0] * nh)
     assert all(0.0 <= v <= 1.0 for r in seen for v in r[4:4 + 2 * nh])
@@ -96,6 +96,6 @@ def test_runner_records_lookback_features_and_fires_the_trigger(lm, nda_library)
     lib = dataclasses.replace(nda_library, manifest={**nda_library.manifest, "calibration": {
         **nda_library.calibration, "lookback": risky.to_dict()}})
     eng.runner.snapshotter = Snapshotter(lib, eng.runner.snapshotter.class_table, n_heads=nh)
-    ev = run_to_completion(eng, [(ids, SamplingParams(max_tokens=4, snapshot_mode="triggered"))])[0]
+    ev = run_to_completion(eng, [(ids, SamplingParams(max_tokens=4, snapshot_mode="triggered", ignore_eos=True))])[0]
     snaps = [e for e in ev if isinstance(e, SnapshotEvent)]
     assert len(snaps) == 4 and all("lookback_ratio" in e.triggers for e in snaps)

@@ -87,6 +87,11 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
     p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
     p.add_argument("--steer-lambda-max", type=float, default=0.5,
                    help="kNN-LM interpolation weight at snapshot confidence 1 for the knn arms")
+    p.add_argument("--weight-quant", default="none", choices=["auto", "none", "fp16", "int8", "int4"],
+                   help="weight format of the linear layers (see `sfcl serve --help`). Default none: `auto` picks "
+                        "kernels by batch size (int4 for 1-3 rows on AVX2), so an item's greedy text would change "
+                        "with how many other arms share its batch, and arms would differ for a reason that is not "
+                        "the arm")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: eager decode instead of captured graphs (the lookback-ratio trigger reads attention "
                         "weights that the graphs do not return)")
@@ -99,7 +104,8 @@ def build(a: argparse.Namespace, progress: bool = True):
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
     from sfcl.serving import build_engine
 
-    mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads)
+    mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
+                     weight_quant=getattr(a, "weight_quant", "none"))
     ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024,
                       enforce_eager=getattr(a, "enforce_eager", False))
     sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
