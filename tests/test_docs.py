@@ -48,15 +48,8 @@ def test_configuration_reference_lists_every_flag_of_every_subcommand():
                          "and commit the result")
 
 
-def test_configuration_reference_is_what_the_script_writes():
-    committed = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert committed == _gen_module().render(), \
-        "docs/configuration.md is out of date: run python scripts/gen_config_reference.py and commit the result"
-
-
 def test_mkdocs_build_strict_passes(tmp_path):
     pytest.importorskip("mkdocs")
-    pytest.importorskip("material")
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
