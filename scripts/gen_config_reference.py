@@ -26,7 +26,7 @@ ENV_VARS = (
     ("SFCL_CACHE_DIR", "`sfcl.config.default_cache_dir`",
      "Cache of converted weights and built anchor libraries (default `~/.cache/sfcl`); "
      "`--cache-dir` overrides it."),
-    ("SFCL_DATA_DIR", "`sfcl.config` (bench long-document workload, `sfcl eval`, scripts, tests)",
+    ("SFCL_DATA_DIR", "`sfcl.config.contractnli_path` (bench long-document workload, `sfcl eval`, scripts, tests)",
      "Folder holding `contractnli/dev.json`; default: `../shared/data` beside the checkout."),
     ("SFCL_LLAMA_SERVER", "`sfcl llama-server`, `sfcl bench --systems ...,llama-server`",
      "Path of a llama.cpp `llama-server` binary to use instead of finding or building one."),
@@ -58,6 +58,8 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.option_strings == [] or action.default in (None, argparse.SUPPRESS):
         return ""
+    if action.nargs == 0 and isinstance(action.default, bool):  # store_true / store_false
+        return "not given"
     return f"`{action.default}`"
 
 
