@@ -1,0 +1,132 @@
+"""Write docs/configuration.md: every ``sfcl`` subcommand's flags, read from the argparse parsers.
+
+    python scripts/gen_config_reference.py            # rewrites docs/configuration.md
+    python scripts/gen_config_reference.py --check    # exit 1 when the file is out of date
+
+The page is generated, never edited by hand: ``sfcl.cli.build_parser()`` is walked recursively
+(``sfcl anchors build`` and the other nested subcommands included) and each command gets a table of
+flag, default and help text, in the order the parser defines them. The environment variables SFCL
+reads come after; ``ENV_VARS`` below lists them (found with ``grep -rn "os.environ" sfcl``).
+``tests/test_docs.py`` fails when a flag is missing from the committed page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "configuration.md"
+
+# (name, read by, meaning). Keep in step with `grep -rn "os.environ" sfcl`.
+ENV_VARS = (
+    ("SFCL_API_KEY", "`sfcl serve` (server and Ray Serve ingress)",
+     "API key required as `x-api-key` or `Authorization: Bearer` when `--api-key` is not given."),
+    ("SFCL_CACHE_DIR", "`sfcl.config.default_cache_dir`",
+     "Cache of converted weights and built anchor libraries (default `~/.cache/sfcl`); "
+     "`--cache-dir` overrides it."),
+    ("SFCL_DATA_DIR", "`sfcl.config.contractnli_path` (bench long-document workload, `sfcl eval`, scripts, tests)",
+     "Folder holding `contractnli/dev.json`; default: `../shared/data` beside the checkout."),
+    ("SFCL_LLAMA_SERVER", "`sfcl llama-server`, `sfcl bench --systems ...,llama-server`",
+     "Path of a llama.cpp `llama-server` binary to use instead of finding or building one."),
+    ("SFCL_MALLOC_TUNING", "`sfcl serve` (`sfcl.engine.host_memory`)",
+     "`0` keeps glibc's malloc thresholds; otherwise the mmap threshold is fixed at 32 MiB and the "
+     "trim threshold at 1 GiB."),
+    ("SFCL_TEST_CACHE", "tests",
+     "Cache of the test suite's converted weights and built libraries (default `<repo>/.cache/test`)."),
+    ("SFCL_FUZZ_EXAMPLES", "`tests/test_fuzz_openapi.py`", "Schemathesis cases per operation."),
+    ("SFCL_HEAVY_TESTS", "tests", "`1` runs the tests that compile for minutes."),
+    ("SFCL_DASHBOARD_PNG", "`tests/test_dashboard.py`", "Where to write the dashboard screenshot."),
+)
+
+
+def _cell(text: object) -> str:
+    """One markdown table cell: no newlines, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    if not action.help:
+        return ""
+    text = argparse.HelpFormatter(parser.prog)._expand_help(action)  # %(default)s etc. as --help
+    if action.choices and not isinstance(action, argparse._SubParsersAction):
+        text = (text.rstrip(". ") + ". " if text else "") + "Choices: " + ", ".join(f"`{c}`" for c in action.choices) + "."
+    return text
+
+
+def _default(action: argparse.Action) -> str:
+    if action.option_strings == [] or action.default in (None, argparse.SUPPRESS):
+        return ""
+    if action.nargs == 0 and isinstance(action.default, bool):  # store_true / store_false
+        return "not given"
+    return f"`{action.default}`"
+
+
+def commands(parser: argparse.ArgumentParser, prefix: str = "sfcl"):
+    """Yield (command, parser, help) for every leaf and group under ``parser``, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {ch.dest: ch.help or "" for ch in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", sub, helps.get(name, "")
+                yield from commands(sub, f"{prefix} {name}")
+
+
+def flags(parser: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
+    """(flag, default, help) rows of one parser, without -h and subcommand dispatch."""
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if action.help == argparse.SUPPRESS:
+            continue
+        name = ", ".join(action.option_strings) or action.dest.upper()
+        if action.option_strings and action.nargs != 0:
+            metavar = action.metavar or action.dest.upper()
+            name += " " + (" ".join(metavar) if isinstance(metavar, tuple) else metavar)
+        rows.append((name, _default(action), _help(parser, action)))
+    return rows
+
+
+def render() -> str:
+    from sfcl.cli import build_parser
+
+    out = ["# Configuration reference", "",
+           "Generated from the command-line parsers by `python scripts/gen_config_reference.py`; "
+           "do not edit by hand. `sfcl COMMAND --help` prints the same.", ""]
+    for name, parser, help_text in commands(build_parser()):
+        rows = flags(parser)
+        out += [f"## `{name}`", ""]
+        if help_text:
+            out += [_cell(help_text), ""]
+        if not rows:
+            out += ["Subcommands only (below).", ""]
+            continue
+        out += ["| flag | default | help |", "|---|---|---|"]
+        out += [f"| `{_cell(f)}` | {_cell(d)} | {_cell(h)} |" for f, d, h in rows]
+        out.append("")
+    out += ["## Environment variables", "", "| variable | read by | meaning |", "|---|---|---|"]
+    out += [f"| `{n}` | {_cell(r)} | {_cell(m)} |" for n, r, m in ENV_VARS]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is out of date")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        current = OUT.read_text(encoding="utf-8") if OUT.exists() else ""
+        if current != text:
+            print(f"{OUT} is out of date: run python scripts/gen_config_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    raise SystemExit(main())
