@@ -241,7 +241,8 @@ WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
     "fp32_fbgemm": [
         WeightFormat("int4", "fp16", "int8", 3, 0.0038,
                      "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
-                     "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38]"),
+                     "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38] (recorded on an AVX2-only AMD EPYC with "
+                     "scripts/weight_quant_quality.py and scripts/profile_weight_formats.py, not measured at start-up)"),
     ],
 }
 
