@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfcl.anchors.store import AnchorLibraryError, KeywordBoost, _sha256, kind_multipliers, parse_keyword_boost
+from sfcl.anchors.store import AnchorLibraryError, KeywordBoost, _sha256, parse_keyword_boost
+from sfcl.snapshot.boost import kind_multipliers
 from sfcl.anchors.versions import (CURRENT_FILE, is_root, library_fields, list_versions, load_library,
                                    resolve_library_dir, select, set_current, write_version)
 from sfcl.cli import main

@@ -41,7 +41,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sfcl.snapshot.boost import kind_multipliers  # noqa: F401  (the keyword-boost rule lives there, once)
 
 FORMAT = "sfcl-anchors"
 FORMAT_VERSION = 1
