@@ -108,5 +108,6 @@ def test_cli_errors_are_one_line(capsys):
 
     assert main(["stress", "--band", "3,1"]) == 2
     assert capsys.readouterr().err.startswith("sfcl: error: --band needs")
-    assert main(["eval", "--configs", "off,sometimes"]) == 2
-    assert "unknown configuration 'sometimes'" in capsys.readouterr().err
+    assert main(["eval", "--arms", "off,sometimes"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sfcl: error: arm 'sometimes'") and err.count("\n") == 1

@@ -232,7 +232,7 @@ class Attention(nn.Module):
             s = s.float()
         if bias is None and B > 1:
             bias = decode_bias(batch.mask)
-        if bias is not None:  # a single row attends to all S positions: nothing to mask
+        if bias is not None:  # else a single row of forward_step, whose kv_len is its own: nothing to mask
             s = s + bias  # (B, 1, 1, S) broadcast over (nkv, g)
         p = s.softmax(-1)  # (B, nkv, g, S) fp32
         o = torch.matmul(p if p.dtype == vv.dtype else p.to(vv.dtype), vv).view(B, nh * hd)  # (B, nh hd)
@@ -252,7 +252,10 @@ class Attention(nn.Module):
                                          batch.kv_len - T, int(batch.slots[0]), kv, layer, want_probs)
             o = o.transpose(1, 2).reshape(B, T, -1)
         else:
-            o, probs = self.decode_attn(q[:, 0], k[:, 0], v[:, 0], batch, kv, layer, bool(want_probs))
+            # the mask always applies here: callers such as the CUDA-graph runner pad kv_len to a
+            # bucket, so even a single row may have positions beyond its own to mask out
+            bias = decode_bias(batch.mask) if batch.mask is not None else None
+            o, probs = self.decode_attn(q[:, 0], k[:, 0], v[:, 0], batch, kv, layer, bool(want_probs), bias)
             o = o.view(B, 1, -1)
         return self.o_proj(o), probs
 
