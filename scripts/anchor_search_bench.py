@@ -26,17 +26,17 @@ import torch
 
 from sfcl.anchors.builder import CALIBRATION_INSTRUCTIONS, _paragraphs
 from sfcl.anchors.corpus import read_corpus
-from sfcl.anchors.index import AnchorIndex
 from sfcl.anchors.model_pass import run_windows
-from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, TextDelta
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.threads import set_thread_count
+from sfcl.engine_stack import make_llm_engine
+from sfcl.library.index import AnchorIndex
+from sfcl.library.versions import load_library
 from sfcl.model.hardware import cpu_flags, fast_float_dtype
 from sfcl.model.loader import load_model
-from sfcl.serving import make_llm_engine
 
 QUESTION = "Who has to keep what confidential here, for how long, and what are the exceptions?"
 

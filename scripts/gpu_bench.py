@@ -4,7 +4,7 @@
 No network, no checkpoint: a random-weight model of Llama-3.1-8B shape (hidden 4096, 32 layers,
 32 heads, 8 KV heads, intermediate 14336, vocab 128256) in bf16, built with
 ``sfcl.model.llama.LlamaModel`` directly on the device (decode speed does not depend on weight
-values). For batch 1 and 16, with our KV cache (``sfcl.engine.kv_cache.KVCache``, slots zeroed,
+values). For batch 1 and 16, with our KV cache (``sfcl.model.kv_cache.KVCache``, slots zeroed,
 ``--context`` positions already "filled"), it times ms per decode step of:
 
 - the decode *forward* with the snapshot tap, greedy next token on the device each step (no host
@@ -48,10 +48,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from sfcl.engine.graph_runner import DecodeGraphRunner  # noqa: E402
-from sfcl.engine.kv_cache import KVCache  # noqa: E402
 from sfcl.engine.model_runner import ModelRunner  # noqa: E402
 from sfcl.engine.request import SamplingParams  # noqa: E402
 from sfcl.engine.scheduler import SchedulerOutput, Sequence  # noqa: E402
+from sfcl.model.kv_cache import KVCache  # noqa: E402
 from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel  # noqa: E402
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32, n_heads=32,
@@ -184,8 +184,8 @@ def time_decode(model: LlamaModel, a: LlamaArgs, dev, dtype, B: int, context: in
 def random_snapshotter(a: LlamaArgs, dev, n: int, root: Path):
     """A Snapshotter over a random ``n``-anchor library of the model's hidden size (search speed
     does not depend on the vectors), with no entity classes and a neutral calibration."""
-    from sfcl.anchors.store import save_library
-    from sfcl.anchors.versions import load_library
+    from sfcl.library.store import save_library
+    from sfcl.library.versions import load_library
     from sfcl.snapshot.snapshotter import Snapshotter
 
     g = torch.Generator().manual_seed(0)

@@ -27,11 +27,12 @@ from sfcl.anchors.corpus import read_corpus
 from sfcl.config import EngineConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
-from sfcl.engine.kv_cache import KVCache
-from sfcl.eval.quality import greedy_agreement, nda_prompts, teacher_forced
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import make_llm_engine
+from sfcl.eval.quality import greedy_agreement, nda_prompts, teacher_forced
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import load_model
-from sfcl.serving import make_llm_engine
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

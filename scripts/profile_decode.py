@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
+    from sfcl.engine_stack import load_anchors, make_llm_engine
     from sfcl.model.compiled import dummy_decode_step
     from sfcl.model.hardware import resolve_weight_format
     from sfcl.model.loader import load_model
     from sfcl.model.quant import quantize_weights
-    from sfcl.serving import load_anchors, make_llm_engine
 
     torch.set_num_threads(a.threads)
     mcfg, scfg = ModelConfig(), SnapshotConfig(anchors=a.anchors)

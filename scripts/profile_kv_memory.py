@@ -1,4 +1,4 @@
-"""KV cache memory against the tokens it holds (``sfcl.engine.kv_cache``): resident bytes after
+"""KV cache memory against the tokens it holds (``sfcl.model.kv_cache``): resident bytes after
 writing, after releasing rows, and what the page faults and releases cost.
 
     python scripts/profile_kv_memory.py [--slots 16] [--tokens 150] [--max-len 8192]
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-positions", type=int, default=256)
     a = ap.parse_args(argv)
 
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import LlamaArgs
 
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ Runs what ``ModelRunner.execute`` does after the forward, on random logits of ``
 ``vocab`` (float32): greedy rows, rows at temperature 1 and 0.7 with top_p 1, and rows with
 top_p 0.9 on peaked and on flat logits (flat ones need the nucleus sampler's full-sort fallback).
 Prints the p50 time per step in ms. ``--compare-with`` loads another version of
-``sfcl/engine/sampler.py`` (e.g. ``git show a5fbd4f:sfcl/engine/sampler.py > /tmp/old.py``) and
+``sfcl/model/sampler.py`` (``sfcl/engine/sampler.py`` before it moved; e.g. ``git show a5fbd4f:sfcl/engine/sampler.py > /tmp/old.py``) and
 times both in the same process, alternating step by step: between processes these timings move
 by up to 3x on this VM (the allocator hands out fresh pages for the (rows, vocab) temporaries or
 reuses them), within one process the two see the same conditions.
@@ -30,11 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare-with", help="path of another sampler.py to time alongside")
     a = ap.parse_args(argv)
 
+    import importlib.util
     import inspect
 
-    import importlib.util
-
-    from sfcl.engine import sampler
+    from sfcl.model import sampler
 
     samplers = {"this": sampler.sample}
     if a.compare_with:

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=12)
     a = ap.parse_args(argv)
 
-    from sfcl.engine.kv_cache import KVCache
     from sfcl.model.compiled import dummy_decode_step
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import ChunkSpec, StepBatch
     from sfcl.model.loader import load_model
     from sfcl.model.quant import parse_weight_format, quantize_weights, weight_bytes

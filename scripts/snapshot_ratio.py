@@ -16,13 +16,13 @@ import time
 import torch
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import make_llm_engine
+from sfcl.library.versions import load_library
 from sfcl.model.loader import load_model
-from sfcl.serving import make_llm_engine
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--anchors", required=True, help="anchor library directory")

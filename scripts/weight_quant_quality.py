@@ -38,17 +38,21 @@ import torch
 from tqdm import tqdm
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.anchors.index import AnchorIndex
-from sfcl.config import EngineConfig, SnapshotConfig, contractnli_path, default_cache_dir
+from sfcl.config import (
+    EngineConfig,
+    SnapshotConfig,
+    contractnli_path,
+    default_cache_dir,
+)
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import load_anchors, make_llm_engine
 from sfcl.eval import stats
 from sfcl.eval.quality import greedy_agreement, nda_prompts, teacher_forced
+from sfcl.library.index import AnchorIndex
 from sfcl.model.loader import load_model, model_fingerprint
 from sfcl.model.quant import parse_weight_format, quantize_weights, weight_bytes
-from sfcl.serving import load_anchors, make_llm_engine
-
 
 
 def step_ms(lm, lib, batch: int, steps: int, ids: list[int]) -> float:

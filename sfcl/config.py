@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sfcl.engine.events import SNAPSHOT_MODES
+SNAPSHOT_MODES: tuple[str, ...] = ("off", "triggered", "always")  # the values of sfcl.engine.events.SnapshotMode
 
 
 def default_cache_dir() -> Path:
@@ -44,7 +44,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 where the CPU runs it natively, else fp32: sfcl.model.hardware) | bfloat16 | float32 | float16
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads of the engine thread for decode (None: serve picks
-    # cores - 1, see sfcl.serving.engine_threads; other commands: torch's default)
+    # cores - 1, see sfcl.engine_stack.engine_threads; other commands: torch's default)
     weight_quant: str = "auto"  # auto | none | fp16 | int8 | int4: linear-layer weight format (sfcl.model.quant, CPU;
     # auto: sfcl.model.hardware.choose_weight_format picks per machine, none elsewhere than a CPU)
 
@@ -76,7 +76,7 @@ class EngineConfig:
     enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
     prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
     overlap_lookup: bool = True  # CPU: anchor searches of non-steering rows overlap the next step (ModelRunner)
-    # (None: same as decode; serve picks all cores, see sfcl.serving.engine_threads)
+    # (None: same as decode; serve picks all cores, see sfcl.engine_stack.engine_threads)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:

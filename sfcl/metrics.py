@@ -17,7 +17,14 @@ import statistics
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent
@@ -117,6 +124,19 @@ class PrometheusStatLogger:
         """mode_of(request_id) -> the live request's snapshot mode, or None once it is gone.
         Called on the engine thread inside ``log``, so it may read engine state directly."""
         self._mode_of = mode_of
+
+    def set_library(self, info: dict) -> None:
+        """Export the anchor library in use (``sfcl_anchor_library`` info: path, version, n_anchors,
+        layer, created, model_name) and size the anchor-id buckets for it. Best effort: a failure
+        is logged, never raised (health still says the version)."""
+        self.n_anchors = int(info.get("n_anchors") or 0)
+        try:
+            if getattr(self, "_library_info", None) is None:
+                self._library_info = Info("sfcl_anchor_library", "Anchor library in use for new requests",
+                                          registry=self.registry)
+            self._library_info.info({k: str(v) for k, v in info.items()})
+        except Exception:
+            log.exception("could not export the anchor library version")
 
     def log(self, stats, events) -> None:
         """stats: ``sfcl.engine.engine.StepStats``; events: the step's (request_id, event) pairs."""

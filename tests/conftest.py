@@ -77,7 +77,7 @@ def nda_library(lm, cache_dir):
     """Anchors built from the first 4 ContractNLI NDAs (k-means down to 2,048 anchors)."""
     from sfcl.anchors.builder import BuildConfig, build_library, library_cache_name
     from sfcl.anchors.corpus import corpus_hash
-    from sfcl.anchors.versions import load_library
+    from sfcl.library.versions import load_library
 
     docs = contractnli_docs(4)
     cfg = BuildConfig(n_anchors=2048, seed=0, window_tokens=1024)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sfcl.anchors.audit import AuditConfig, audit_library, project, span_pollution
-from sfcl.anchors.versions import append, library_fields, load_library, write_version
 from sfcl.cli import main
+from sfcl.library.versions import append, library_fields, load_library, write_version
 
 FILLER = ["the", "of", "and", "to", "in", "a", "or", "for", "by", "with", ",", ".", ";", "(", ")", "-", "the", "of"]
 

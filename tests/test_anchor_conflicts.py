@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import contractnli_docs
+
 from sfcl.anchors.builder import BuildConfig, build_library
 from sfcl.anchors.conflicts import ConflictConfig, find_conflicts
 from sfcl.anchors.corpus import Document
 from sfcl.anchors.inject import Clause, inject
-from sfcl.anchors.versions import load_library, write_version
 from sfcl.cli import main
+from sfcl.library.versions import load_library, write_version
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sfcl" / "anchors" / "sample_corpus"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sfcl.anchors.health import EXIT_DRIFT, drift, extract_entities, trigger_precision
-from sfcl.anchors.versions import library_fields, load_library, select, write_version
 from sfcl.cli import main
+from sfcl.library.versions import library_fields, load_library, select, write_version
 
 
 @pytest.fixture(scope="module")

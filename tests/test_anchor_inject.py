@@ -6,12 +6,12 @@ import types
 
 import pytest
 import torch
-
 from conftest import contractnli_docs
+
 from sfcl.anchors.inject import clause_anchor, inject, parse_clauses
-from sfcl.anchors.store import AnchorLibraryError
-from sfcl.anchors.versions import load_library
 from sfcl.cli import main
+from sfcl.library.store import AnchorLibraryError
+from sfcl.library.versions import load_library
 
 
 def test_parse_clauses_lines_or_paragraphs():

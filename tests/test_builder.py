@@ -3,13 +3,17 @@
 import numpy as np
 import pytest
 import torch
-
-from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
-from sfcl.anchors.store import AnchorLibraryError
-from sfcl.anchors.versions import load_library
-from sfcl.snapshot.triggers import Calibration, TriggerConfig
-
 from conftest import contractnli_docs
+
+from sfcl.anchors.builder import (
+    BuildConfig,
+    build_library,
+    calibration_prompts,
+    library_cache_name,
+)
+from sfcl.library.store import AnchorLibraryError
+from sfcl.library.versions import load_library
+from sfcl.snapshot.triggers import Calibration, TriggerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 from sfcl.snapshot.cad import ContextFreeSequences
 

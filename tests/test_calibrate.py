@@ -29,9 +29,9 @@ def test_trigger_config_from_calibration_defaults_and_errors():
 
 
 def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_path):
-    from sfcl.anchors.versions import load_library
     from sfcl.config import EngineConfig
-    from sfcl.serving import make_llm_engine
+    from sfcl.engine_stack import make_llm_engine
+    from sfcl.library.versions import load_library
 
     cal = Calibration.from_dict(nda_library.calibration)
     res = calibrate_thresholds(synthetic_signals(4000, cal), cal, 1 / 16)
@@ -45,9 +45,9 @@ def test_served_engine_reads_thresholds_from_the_manifest(lm, nda_library, tmp_p
 
 
 def test_calibrate_command_end_to_end(nda_library, cache_dir, tmp_path, capsys):
-    from sfcl.anchors.versions import load_library
     from sfcl.cli import main
-    from tests.conftest import contractnli_docs, CONTRACTNLI
+    from sfcl.library.versions import load_library
+    from tests.conftest import CONTRACTNLI, contractnli_docs
 
     contractnli_docs(1)  # skips without the data
     out = tmp_path / "cal"

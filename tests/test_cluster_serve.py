@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import torch
-
 from conftest import contractnli_docs, free_port
 
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'sfcl[ray]')")
@@ -163,14 +162,16 @@ def test_raw_sse_equals_the_single_servers_snapshot_events_included(cluster, fp3
     gives the same frames: snapshot_triggered events with their ids, anchors and confidences, text,
     usage. Only timings (lookup_ms), the message id and keepalive pings may differ."""
     from sfcl.engine.async_engine import AsyncEngine
+    from sfcl.engine_stack import make_llm_engine
+    from sfcl.metrics import PrometheusStatLogger
     from sfcl.server import create_app
     from sfcl.server.testing import serve_in_thread
-    from sfcl.serving import make_llm_engine
 
     question = nda_excerpt(6, 1500) + "\n\nHow long do the confidentiality obligations last?"
     got = stream_message(cluster.url, question, 40, mode="triggered")
     engine = AsyncEngine(make_llm_engine(fp32_lm, nda_library, cluster.ecfg, cluster.scfg, decode_threads=1),
-                         model_name=fp32_lm.name, max_model_len=2048, tokenizer=fp32_lm.tokenizer, num_threads=1)
+                         model_name=fp32_lm.name, max_model_len=2048, tokenizer=fp32_lm.tokenizer,
+                         metrics=PrometheusStatLogger(True), num_threads=1)
     try:
         with serve_in_thread(create_app(engine)) as url:
             want = stream_message(url, question, 40, mode="triggered")

@@ -26,8 +26,8 @@ def _texts(events):
 def test_compiled_decode_matches_eager_greedy_fp32(cache_dir, nda_prompt):
     """fp32, several sequences joining and leaving (B = 1 and B >= 2 graphs, lengths crossing
     the zero-ahead boundary): the compiled engine emits the eager engine's greedy tokens."""
+    from sfcl.engine_stack import make_llm_engine
     from sfcl.model.loader import load_model
-    from sfcl.serving import make_llm_engine
 
     fp32 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
     prompts = [(nda_prompt[:n], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
@@ -48,7 +48,7 @@ def test_compile_refuses_int8_kv():
 
 
 def test_compiled_decode_refuses_prefill_steps(lm):
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import ChunkSpec, StepBatch
 
     kv = KVCache(lm.args, 2, 64, torch.bfloat16)
@@ -66,9 +66,9 @@ def test_compiled_decode_with_int4_weights_matches_eager(cache_dir, nda_prompt):
     sequences join and leave, so decode batches cross the packed/dense kernel cut (B <= 6 and
     B = 7, 8); the compiled engine emits the eager engine's greedy tokens, with no graph compiled
     after warm-up."""
+    from sfcl.engine_stack import make_llm_engine
     from sfcl.model.loader import load_model
     from sfcl.model.quant import quantize_weights
-    from sfcl.serving import make_llm_engine
 
     lm4 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
     quantize_weights(lm4.model, "int4")

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import contractnli_docs
 
 from sfcl.config import EngineConfig
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import SnapshotEvent
-from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import make_llm_engine
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
-from sfcl.serving import make_llm_engine
 from sfcl.snapshot.context import ContextAnchors
-
-from conftest import contractnli_docs
 
 
 def states(T, H=8, seed=0):

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from conftest import contractnli_docs
 
 from sfcl.config import EngineConfig
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.request import SamplingParams
-from sfcl.serving import make_llm_engine
-
-from conftest import contractnli_docs
+from sfcl.engine_stack import make_llm_engine
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +178,7 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills_in_chunks(lm
 
 
 def test_int8_kv_cache_follows_model_dtype_logits(lm, nda_prompt):
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
 
     def final_logits(kv_dtype):
@@ -259,7 +258,7 @@ def test_prompt_steps_run_on_prefill_threads_and_decode_steps_on_decode_threads(
 
 
 def test_engine_threads_defaults():
-    from sfcl.serving import engine_threads
+    from sfcl.engine_stack import engine_threads
 
     assert engine_threads(None, None, cores=2) == (1, 2)  # decode leaves the event loop a core
     assert engine_threads(None, None, cores=1) == (1, 1)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfcl.anchors.index import AnchorIndex
 from sfcl.config import EngineConfig
 from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
-from sfcl.serving import make_llm_engine
+from sfcl.engine_stack import make_llm_engine
+from sfcl.library.index import AnchorIndex
 from sfcl.snapshot.device_search import DeviceAnchorIndex
-from sfcl.snapshot.triggers import anchor_confidence_each
 from sfcl.snapshot.steering import SteerConfig
+from sfcl.snapshot.triggers import anchor_confidence_each
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

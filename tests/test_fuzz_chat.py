@@ -13,8 +13,7 @@ Whatever the body and the reply text:
 * the conversation handed to ``encode_chat`` is the one the request describes (turns in order,
   content blocks joined, same-role Anthropic turns merged, ``developer`` -> ``system``).
 
-A last test feeds conversations to the real chat template when the bundled model's tokenizer is in
-the test cache (skipped otherwise).
+The last tests feed conversations to the real chat template of the bundled model's tokenizer.
 
 Examples per test: ``SFCL_FUZZ_EXAMPLES`` (default 150).
 """
@@ -24,7 +23,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -393,21 +391,10 @@ def test_openai_chat_completions_never_5xx(served, req, hdrs, reply_text):
 # -- the real chat template -----------------------------------------------------------------------
 
 
-def _cached_tokenizer_dir() -> Path | None:
-    default = Path(__file__).resolve().parents[1] / ".cache" / "test"
-    cache = Path(os.environ.get("SFCL_TEST_CACHE", default))
-    found = sorted(cache.glob("models/*/tokenizer.json"))
-    return found[0].parent if found else None
-
-
 @pytest.fixture(scope="module")
-def tokenizer():
-    folder = _cached_tokenizer_dir()
-    if folder is None:
-        pytest.skip("no cached tokenizer (run the model tests once to fill .cache/test)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+def tokenizer(lm):
+    """The bundled model's tokenizer, as the server loads it (the session's ``lm`` fixture)."""
+    tok = lm.tokenizer
     return SimpleNamespace(tokenizer=tok, unencodable=unencodable_bytes(tok))
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.graph_runner import DecodeGraphRunner
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"

@@ -11,11 +11,11 @@ import torch
 from sfcl.config import EngineConfig
 from sfcl.engine.events import Finished, SnapshotEvent, TextDelta
 from sfcl.engine.graph_runner import DecodeGraphRunner, default_batch_sizes
-from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import make_llm_engine
 from sfcl.model.cuda_graph import GraphCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel
-from sfcl.serving import make_llm_engine
 from sfcl.snapshot.triggers import attention_dispersion
 
 TINY = LlamaArgs(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128, n_layers=3, n_heads=4,

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import LlamaArgs
 
 ARGS = LlamaArgs(model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=4,

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.snapshot.lookback import (RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, features,
-                                    lookback_ratios, train)
+from sfcl.snapshot.lookback import (
+    RATIO_ONLY,
+    WITH_TOKEN,
+    LookbackModel,
+    feature_names,
+    features,
+    lookback_ratios,
+    train,
+)
 
 
 def test_ratio_compares_mean_weight_on_prompt_and_on_answer():
@@ -73,7 +80,7 @@ def test_runner_records_lookback_features_and_fires_the_trigger(lm, nda_library)
     from sfcl.engine.engine import run_to_completion
     from sfcl.engine.events import SnapshotEvent
     from sfcl.engine.request import SamplingParams
-    from sfcl.serving import make_llm_engine
+    from sfcl.engine_stack import make_llm_engine
     from sfcl.snapshot.snapshotter import Snapshotter
 
     nh = lm.args.n_heads

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 from sfcl.model.loader import ModelLoadError, load_model, resolve_model
 

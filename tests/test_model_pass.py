@@ -4,13 +4,12 @@ weights."""
 
 import pytest
 import torch
+from conftest import contractnli_docs
 
 from sfcl.anchors.model_pass import flops_per_token, run_windows
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 from sfcl.snapshot.triggers import attention_dispersion
-
-from conftest import contractnli_docs
 
 pytestmark = pytest.mark.slow
 LAYER, K = 22, 8

@@ -14,7 +14,7 @@ import pytest
 from sfcl.config import EngineConfig
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.request import SamplingParams
-from sfcl.serving import make_llm_engine
+from sfcl.engine_stack import make_llm_engine
 from sfcl.snapshot.steering import SteerConfig
 
 pytestmark = pytest.mark.slow

@@ -8,12 +8,20 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import contractnli_docs
 from torch import nn
 
-from sfcl.model.quant import (Fp16Linear, QuantLinear, dequantize_int4, fp16_gemm_available, parse_weight_format,
-                              quantize_int4, quantize_int8, quantize_weights, weight_bytes)
-
-from conftest import contractnli_docs
+from sfcl.model.quant import (
+    Fp16Linear,
+    QuantLinear,
+    dequantize_int4,
+    fp16_gemm_available,
+    parse_weight_format,
+    quantize_int4,
+    quantize_int8,
+    quantize_weights,
+    weight_bytes,
+)
 
 
 def _linear(n=96, k=128, bias=False, seed=0) -> nn.Linear:
@@ -140,7 +148,7 @@ def test_model_level_drift_is_small(lm, mode, min_top1, min_cos):
     """Teacher-forced over 256 NDA tokens, every linear on the packed kernel, against the unquantized
     model in the serving dtype. Measured (2026-11-30, bf16 on AVX-512 BF16): top-1 next-token
     agreement 0.934 (int8) / 0.945 (int4), tap cosine min 0.9966 / 0.9988."""
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
     from sfcl.model.loader import model_fingerprint
 
@@ -173,7 +181,7 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     from sfcl.engine.engine import run_to_completion
     from sfcl.engine.events import TextDelta
     from sfcl.engine.request import SamplingParams
-    from sfcl.serving import make_llm_engine
+    from sfcl.engine_stack import make_llm_engine
 
     qlm = dataclasses.replace(lm, model=quantize_weights(copy.deepcopy(lm.model), "int4"))
     calls = {"int4": 0, "int8": 0, "dense_rows": []}

@@ -19,17 +19,17 @@ import weakref
 import httpx
 import pytest
 import torch
+from conftest import REPO, free_port
+from test_steering import crafted_library
 
-from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
-from sfcl.serving import make_llm_engine, make_reloader
+from sfcl.engine_stack import make_llm_engine, make_reloader
+from sfcl.library.versions import load_library
+from sfcl.metrics import PrometheusStatLogger
 from sfcl.server import create_app
 from sfcl.server.testing import serve_in_thread
 from sfcl.snapshot.snapshotter import library_version
-
-from conftest import REPO, free_port
-from test_steering import crafted_library
 
 KEY = "reload-key"
 
@@ -55,7 +55,8 @@ def test_reload_while_a_stream_runs(lm, nda_library, tiny_library, tmp_path):
     eng = make_llm_engine(lm, old, EngineConfig(max_num_seqs=2))
     del old
     ae = AsyncEngine(eng, model_name=lm.name, max_model_len=eng.scheduler.cfg.max_model_len,
-                     tokenizer=lm.tokenizer, reloader=make_reloader(lm, SnapshotConfig(anchors=str(nda_library.path))))
+                     tokenizer=lm.tokenizer, metrics=PrometheusStatLogger(True),
+                     reloader=make_reloader(lm, SnapshotConfig(anchors=str(nda_library.path))))
     new_version = library_version(load_library(tiny_library, verify_checksums=False))
     assert new_version != old_version
     h = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}

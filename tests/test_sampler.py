@@ -2,7 +2,7 @@
 
 import torch
 
-from sfcl.engine.sampler import sample
+from sfcl.model.sampler import sample
 
 
 def test_sampler_degenerate_settings_do_not_raise():
@@ -44,7 +44,7 @@ def _nucleus_set(p: torch.Tensor, top_p: float) -> set[int]:
 
 
 def test_two_level_inverse_cdf_matches_the_plain_prefix_sum_and_skips_zero_weights():
-    from sfcl.engine.sampler import _inverse_cdf
+    from sfcl.model.sampler import _inverse_cdf
 
     g = torch.Generator().manual_seed(0)
     for V in (5000, 49152):  # not / a multiple of the block
@@ -63,7 +63,7 @@ def test_two_level_inverse_cdf_matches_the_plain_prefix_sum_and_skips_zero_weigh
 
 
 def test_cpu_nucleus_from_the_top_k_and_from_a_full_sort_stays_in_the_exact_nucleus():
-    from sfcl.engine.sampler import NUCLEUS_TOPK
+    from sfcl.model.sampler import NUCLEUS_TOPK
 
     g = torch.Generator().manual_seed(3)
     V = 3000

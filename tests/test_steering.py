@@ -9,17 +9,16 @@ import httpx
 import pytest
 import torch
 
-from sfcl.anchors.store import save_library
-from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import SnapshotEvent, TextDelta
 from sfcl.engine.request import SamplingParams
+from sfcl.engine_stack import make_llm_engine
+from sfcl.library.store import save_library
+from sfcl.library.versions import load_library
 from sfcl.model.llama import AttnBatch
-from sfcl.serving import make_llm_engine
 from sfcl.snapshot.mechanisms import DEFAULT_STEER
 from sfcl.snapshot.steering import SteerConfig, anchor_distribution, interpolate
-
 
 # -- the mixture math ---------------------------------------------------------------------------
 
@@ -75,7 +74,7 @@ PROMPT = "Name the capital of France in one word."
 
 def tap_state(lm, ids, layer):
     """Snapshot-layer hidden state of the last prompt position (what the first lookup queries)."""
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
 
     kv = KVCache(lm.args, 1, len(ids) + 1, next(lm.model.parameters()).dtype, "cpu")
     T = len(ids)

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from sfcl import serving
+from sfcl import engine_stack
 from sfcl.engine.threads import run_on_scratch_thread, set_thread_count
 
 
@@ -84,8 +84,8 @@ def test_build_engine_loads_on_a_thread_that_exits(monkeypatch):
         seen.append((threading.current_thread(), mcfg, progress))
         return "built"
 
-    monkeypatch.setattr(serving, "_build_engine", fake)
-    assert serving.build_engine("m", "e", "s", progress=False) == "built"
+    monkeypatch.setattr(engine_stack, "_build_engine", fake)
+    assert engine_stack.build_engine("m", "e", "s", progress=False) == "built"
     t, mcfg, progress = seen[0]
     assert t is not threading.current_thread() and t.name == "sfcl-load" and not t.is_alive()
     assert (mcfg, progress) == ("m", False)

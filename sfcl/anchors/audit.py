@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sfcl.anchors.store import AnchorLibrary
+from sfcl.library.store import AnchorLibrary
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 REPORT_FILE, SUMMARY_FILE, PLOT_FILE = "report.json", "summary.txt", "projection.png"

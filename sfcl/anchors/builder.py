@@ -16,8 +16,8 @@
    mean/std, and the share of corpus tokens each trigger would fire on) and the serving
    calibration below go into the manifest.
 
-The library is written with ``sfcl.anchors.store.save_library`` (or as the next version of a root,
-``sfcl.anchors.versions.write_version``); the manifest's ``build`` records the settings, the model
+The library is written with ``sfcl.library.store.save_library`` (or as the next version of a root,
+``sfcl.library.versions.write_version``); the manifest's ``build`` records the settings, the model
 pass against its floor and the seconds of each phase. Same corpus, model, seed and thread count ->
 same library.
 
@@ -54,8 +54,8 @@ from tqdm.auto import tqdm
 from sfcl.anchors.corpus import Document, corpus_hash
 from sfcl.anchors.kmeans import two_level_kmeans
 from sfcl.anchors.model_pass import flops_per_token, gemm_rate, run_windows
-from sfcl.anchors.store import save_library
-from sfcl.engine.kv_cache import KVCache
+from sfcl.library.store import save_library
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, ChunkSpec, StepBatch
 from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_table
 
@@ -393,12 +393,12 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     """Build an anchor library for ``lm`` (a ``LoadedModel``) from ``docs`` into ``out_dir``.
 
     ``versioned``: ``out_dir`` is a library root and the library becomes its next version
-    (``sfcl.anchors.versions``; ``command`` is recorded in the lineage); otherwise ``out_dir`` is
+    (``sfcl.library.versions``; ``command`` is recorded in the lineage); otherwise ``out_dir`` is
     a plain library directory. Raises ValueError for an empty corpus or bad settings,
     FileExistsError if out_dir is a non-empty directory (versioned: one that is not a root).
     Returns the library (version) path.
     """
-    from sfcl.anchors.versions import is_root, write_version
+    from sfcl.library.versions import is_root, write_version
 
     cfg = cfg or BuildConfig()
     out = Path(out_dir)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sfcl.anchors.store import AnchorLibrary
+from sfcl.library.store import AnchorLibrary
 
 REPORT_FILE, SUMMARY_FILE = "conflicts.json", "conflicts.txt"
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sfcl.anchors.store import AnchorLibrary
+from sfcl.library.store import AnchorLibrary
 
 EXIT_DRIFT = 3  # exit status of `sfcl anchors health` when drift > --max-drift
 REPORT_FILE, SUMMARY_FILE, PLOT_FILE = "health.json", "health.txt", "drift.png"

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError
+from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +127,7 @@ def dedupe(emb: torch.Tensor, threshold: float, existing: torch.Tensor | None = 
 def clause_anchor(lm, text: str, layer: int, top_k: int) -> dict:
     """Anchor of one clause (module docstring, rule 3): {"vector" (H,) f32 unit, "count" 1,
     "next_ids" (K,) i64, "next_probs" (K,) f32}. Raises ValueError for text with no tokens."""
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
 
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -160,7 +160,7 @@ def inject(lib: AnchorLibrary, lm, clauses: list[Clause], *, weight: float = 0.3
     Raises AnchorLibraryError if ``lm``'s fingerprint differs from the library's; ValueError for
     weight <= 0, decay <= 0, dedupe outside (0, 1], or a clause without tokens.
     """
-    from sfcl.anchors.versions import append, library_fields
+    from sfcl.library.versions import append, library_fields
 
     if lm.fingerprint != lib.manifest["model_fingerprint"]:
         raise AnchorLibraryError(

@@ -15,8 +15,9 @@ and never import it. One module per command (group), each with the same two part
 Modules: ``flags`` (flag groups shared by several commands: ``add_model_flags``,
 ``add_snapshot_flags``; ``configs`` -> the ``sfcl.config`` records), ``serve``, ``generate``,
 ``soak``, ``ingest``, ``bench``, ``anchors`` (build, versions, boost) and ``anchors_curate``
-(audit, prune, inject, conflicts, health). ``sfcl eval``, ``sfcl stress`` and ``sfcl anchors
-calibrate`` still register their parsers from ``sfcl.eval`` (moving here with the eval rewrite).
+(audit, prune, inject, conflicts, health), ``eval`` (the parsers of ``sfcl eval``, ``sfcl stress``
+and ``sfcl anchors calibrate``, whose ``cmd_*`` functions still live in ``sfcl.eval`` and read the
+namespace's attributes).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ import argparse
 import sys
 
 from sfcl.cli import anchors, bench, generate, ingest, llama_server, serve, soak
-from sfcl.cli.flags import add_model_flags
-
-_add_model_flags = add_model_flags  # the name sfcl.eval.drive imports until its parser moves here
+from sfcl.cli import eval as eval_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,17 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_parser(sub)
     bench.add_parser(sub)
     llama_server.add_parser(sub)
-    from sfcl.eval import run as _ev, stress as _st  # their parsers move here with the eval rewrite
-
-    _ev.add_parser(sub)
-    _st.add_parser(sub)
+    eval_cli.add_eval_parser(sub)
+    eval_cli.add_stress_parser(sub)
     anchors.add_parser(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     from sfcl.anchors.corpus import CorpusError
-    from sfcl.anchors.store import AnchorLibraryError
+    from sfcl.library.store import AnchorLibraryError
     from sfcl.model.loader import ModelLoadError
 
     a = build_parser().parse_args(argv)

@@ -42,15 +42,15 @@ def add_parser(sub) -> None:
                    help='JSON file: [{"keywords": ["indemnif"], "kinds": ["domain"], "multiplier": 1.5}, ...]')
     b.add_argument("--out", required=True, help=OUT_HELP)
     b.set_defaults(fn=cmd_boost)
-    from sfcl.eval.calibrate import add_parser as add_calibrate  # its parser moves here with the eval rewrite
+    from sfcl.cli.eval import add_calibrate_parser
 
-    add_calibrate(asub)
+    add_calibrate_parser(asub)
 
 
 def cmd_anchors_build(a: argparse.Namespace) -> int:
     from sfcl.anchors.builder import BuildConfig, build_library
     from sfcl.anchors.corpus import read_corpus
-    from sfcl.anchors.versions import load_library
+    from sfcl.library.versions import load_library
 
     docs = read_corpus(a.corpus)
     if a.max_docs:
@@ -66,7 +66,7 @@ def cmd_anchors_build(a: argparse.Namespace) -> int:
 
 
 def cmd_versions(a: argparse.Namespace) -> int:
-    from sfcl.anchors.versions import list_versions
+    from sfcl.library.versions import list_versions
 
     vs = list_versions(a.root)
     print(f"{'':2}{'version':8} {'anchors':>8} {'general':>8} {'domain':>7}  {'created':25} command")
@@ -77,9 +77,8 @@ def cmd_versions(a: argparse.Namespace) -> int:
 
 
 def cmd_boost(a: argparse.Namespace) -> int:
-    from sfcl.anchors.store import parse_keyword_boost
-    from sfcl.anchors.versions import load_library
-    from sfcl.anchors.versions import library_fields, write_version
+    from sfcl.library.store import parse_keyword_boost
+    from sfcl.library.versions import library_fields, load_library, write_version
 
     try:
         rules = parse_keyword_boost(json.loads(Path(a.rules).read_text(encoding="utf-8")))

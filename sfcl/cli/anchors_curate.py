@@ -1,9 +1,9 @@
 """``sfcl anchors audit|prune|inject|conflicts|health``: curating a library between versions.
 
-Each command reads a library (``sfcl.anchors.store``), calls its domain module
+Each command reads a library (``sfcl.library.store``), calls its domain module
 (``sfcl.anchors.audit``, ``inject``, ``conflicts``, ``health``) with that module's config record,
 prints a summary and writes either a report directory or a new version of the library
-(``sfcl.anchors.versions.write_version``, with the command line recorded in the lineage).
+(``sfcl.library.versions.write_version``, with the command line recorded in the lineage).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _audit_config(a: argparse.Namespace):
 def _write_without(a: argparse.Namespace, lib, drop) -> tuple[Path, int]:
     """A new version under ``--out``: ``lib`` without the anchor ids ``drop``. Returns (its
     directory, anchors left). Raises ValueError when nothing would be left."""
-    from sfcl.anchors.versions import library_fields, select, write_version
+    from sfcl.library.versions import library_fields, select, write_version
 
     keep = np.ones(lib.n_anchors, bool)
     keep[drop] = False
@@ -126,8 +126,15 @@ def _write_report(out_dir, rep: dict, text: str, report_file: str, summary_file:
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from sfcl.anchors.audit import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, audit_library, summary_text, write_report
-    from sfcl.anchors.versions import load_library
+    from sfcl.anchors.audit import (
+        PLOT_FILE,
+        REPORT_FILE,
+        SUMMARY_FILE,
+        audit_library,
+        summary_text,
+        write_report,
+    )
+    from sfcl.library.versions import load_library
 
     lib = load_library(a.lib)
     cfg = _audit_config(a)
@@ -141,7 +148,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
 def cmd_prune(a: argparse.Namespace) -> int:
     from sfcl.anchors.audit import audit_library, flagged_from_report
-    from sfcl.anchors.versions import load_library
+    from sfcl.library.versions import load_library
 
     if not a.flagged:
         raise ValueError("say what to prune: --flagged (the anchors an audit flags)")
@@ -157,8 +164,7 @@ def cmd_prune(a: argparse.Namespace) -> int:
 
 def cmd_inject(a: argparse.Namespace) -> int:
     from sfcl.anchors.inject import inject, read_clauses
-    from sfcl.anchors.versions import load_library
-    from sfcl.anchors.versions import write_version
+    from sfcl.library.versions import load_library, write_version
 
     clauses = read_clauses(a.clauses)
     lib = load_library(a.lib)
@@ -177,8 +183,14 @@ def cmd_inject(a: argparse.Namespace) -> int:
 
 
 def cmd_conflicts(a: argparse.Namespace) -> int:
-    from sfcl.anchors.conflicts import REPORT_FILE, SUMMARY_FILE, ConflictConfig, find_conflicts, report
-    from sfcl.anchors.versions import load_library
+    from sfcl.anchors.conflicts import (
+        REPORT_FILE,
+        SUMMARY_FILE,
+        ConflictConfig,
+        find_conflicts,
+        report,
+    )
+    from sfcl.library.versions import load_library
 
     if a.drop and not a.out:
         raise ValueError("--drop writes a new version: give --out ROOT")
@@ -198,8 +210,16 @@ def cmd_conflicts(a: argparse.Namespace) -> int:
 
 
 def cmd_health(a: argparse.Namespace) -> int:
-    from sfcl.anchors.health import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, HealthConfig, health, plot_drift, summary_text
-    from sfcl.anchors.versions import load_library
+    from sfcl.anchors.health import (
+        PLOT_FILE,
+        REPORT_FILE,
+        SUMMARY_FILE,
+        HealthConfig,
+        health,
+        plot_drift,
+        summary_text,
+    )
+    from sfcl.library.versions import load_library
 
     cfg = HealthConfig(n_axes=a.n_axes, max_drift=a.max_drift, min_count=a.min_count)
     old, new = load_library(a.old), load_library(a.new)

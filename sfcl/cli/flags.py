@@ -12,8 +12,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sfcl.config import DTYPE_CHOICES, EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
-from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.config import (
+    DTYPE_CHOICES,
+    SNAPSHOT_MODES,
+    EngineConfig,
+    ModelConfig,
+    SnapshotConfig,
+    default_cache_dir,
+)
 
 FMT = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # **FMT on every add_parser
 

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, TextDelta
     from sfcl.engine.request import SamplingParams
-    from sfcl.serving import build_engine
+    from sfcl.engine_stack import build_engine
 
     mc, ec, sc = configs(a)
     content = a.prompt

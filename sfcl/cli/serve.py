@@ -67,8 +67,8 @@ def add_parser(sub) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
+    from sfcl.engine_stack import build_engine
     from sfcl.server.app import create_app
-    from sfcl.serving import build_engine
 
     mc, ec, sc = configs(a)
     if sc.keyword_boost:

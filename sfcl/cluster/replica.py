@@ -1,7 +1,7 @@
 """The Ray Serve deployments behind the ingress: engine replicas and the report hub.
 
 ``EngineReplica``: one ``AsyncEngine`` (its own model copy and engine thread, built by
-``sfcl.serving.build_engine``) per Serve replica, on the CPUs or the GPU that
+``sfcl.engine_stack.build_engine``) per Serve replica, on the CPUs or the GPU that
 ``ray_actor_options`` reserved for it. The ingress calls ``stream`` through
 ``DeploymentHandle.options(stream=True)``; cancelling that call (client gone) cancels the
 generator here, whose ``finally`` aborts the request in the engine (KV slot freed), exactly as in
@@ -63,7 +63,7 @@ class ReportHub:
 class EngineReplica:
     async def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, hub,
                      report_interval_s: float):
-        from sfcl.serving import build_engine
+        from sfcl.engine_stack import build_engine
 
         # off the event loop: loading takes seconds to minutes, and Serve polls the replica meanwhile
         built = await asyncio.to_thread(build_engine, mcfg, ecfg, scfg, False)

@@ -243,24 +243,21 @@ class AsyncEngine:
     """EngineClient over an EngineThread (see ``sfcl.engine.protocol``)."""
 
     def __init__(self, engine: LLMEngine, *, model_name: str, max_model_len: int, tokenizer,
-                 extra_health: dict | None = None, num_threads: int | None = None,
-                 metrics_kwargs: dict | None = None, reloader: Callable | None = None):
+                 metrics, extra_health: dict | None = None, num_threads: int | None = None,
+                 reloader: Callable | None = None):
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.snapshots_available = engine.runner.snapshotter is not None
         self._extra_health = extra_health or {}
-        from sfcl.metrics import PrometheusStatLogger
-
-        self.metrics = PrometheusStatLogger(self.snapshots_available, **(metrics_kwargs or {}))
+        self.metrics = metrics  # sfcl.metrics.PrometheusStatLogger, built by the caller (sfcl.engine_stack)
         sched = engine.scheduler
         self.metrics.watch_queue(lambda: sched.num_running, lambda: sched.num_waiting)
         self.metrics.watch_requests(lambda rid: (st := engine.requests.get(rid)) and st.seq.params.snapshot_mode)
         self.thread = EngineThread(engine, num_threads, self.metrics)
-        self._reloader = reloader  # path | None -> (AnchorLibrary, Snapshotter), validated; see sfcl.serving
+        self._reloader = reloader  # path | None -> (AnchorLibrary, Snapshotter), validated; see sfcl.engine_stack
         self._reload_lock = threading.Lock()
-        self._library_info = None
         if engine.library is not None:
             self._set_library_info(engine.library)
         self.thread.start()
@@ -271,16 +268,7 @@ class AsyncEngine:
         info = {"path": str(lib.path), "version": library_version(lib), "n_anchors": lib.n_anchors,
                 "layer": lib.layer, "created": lib.manifest.get("created"), "model_name": lib.manifest.get("model_name")}
         self._extra_health["anchors"] = info
-        self.metrics.n_anchors = lib.n_anchors
-        try:
-            if self._library_info is None:
-                from prometheus_client import Info
-
-                self._library_info = Info("sfcl_anchor_library", "Anchor library in use for new requests",
-                                          registry=self.metrics.registry)
-            self._library_info.info({k: str(v) for k, v in info.items()})
-        except Exception:  # metrics are best effort; health still says the version
-            log.exception("could not export the anchor library version")
+        self.metrics.set_library(info)
         return info
 
     def reload_anchors(self, path: str | None = None, timeout_s: float = 60.0) -> dict:
@@ -292,7 +280,7 @@ class AsyncEngine:
         Raises NotImplementedError (no reloader), AnchorLibraryError / ValueError (missing, damaged,
         other model, other snapshot layer: the old library stays), TimeoutError.
         """
-        from sfcl.anchors.store import AnchorLibraryError
+        from sfcl.library.store import AnchorLibraryError
 
         if self._reloader is None:
             raise NotImplementedError("this engine was built without a library reloader")

@@ -8,7 +8,7 @@ hash, reference counts, LRU eviction of unreferenced cached blocks; Kwon et al. 
   decode attends to plain views without a per-step gather of blocks (on 2 CPU cores a block gather
   of the whole KV each step costs about as much as the attention itself).
 - The prefix cache is a pool of ``num_blocks`` physical blocks of ``block_size`` positions
-  (``sfcl.engine.kv_cache.KVCache.pool_*``). Each sequence has a *block table*: logical prompt
+  (``sfcl.model.kv_cache.KVCache.pool_*``). Each sequence has a *block table*: logical prompt
   block i -> pool block id. On admission the longest cached chain of the prompt's full blocks is
   *restored* (pool -> row copy, ~23 KB/token for SmolLM2-135M in bf16, instead of recomputing the
   prefill); when a prompt block has been computed it is *saved* (row -> pool copy) under its hash.

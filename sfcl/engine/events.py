@@ -16,7 +16,6 @@ from typing import Literal, Union
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "aborted"]
 SnapshotMode = Literal["off", "triggered", "always"]
-SNAPSHOT_MODES: tuple[str, ...] = ("off", "triggered", "always")
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sfcl.engine.kv_cache import KVCache
 from sfcl.model.cuda_graph import Buffers, GraphCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, LlamaModel
 from sfcl.snapshot.triggers import attention_dispersion
 

@@ -19,7 +19,7 @@ for source and knn, no extra transfer); CAD runs one forward of the short no-doc
 of the step's triggered rows. Context anchors (knn only) cost one copy of the prompt's
 snapshot-layer states to the CPU per prefill forward of such a request (``ContextAnchors.add``).
 
-On CUDA (``sfcl.serving.make_llm_engine``): pure-decode steps run the decode forward from
+On CUDA (``sfcl.engine_stack.make_llm_engine``): pure-decode steps run the decode forward from
 captured CUDA graphs (``sfcl.engine.graph_runner``; ``--enforce-eager`` turns that off), and the
 lookup is fused (``sfcl.engine.fused_lookup``): every row is searched on the device and the
 results ride in the step's one transfer, so a step waits on the device once, lookups or not.
@@ -37,18 +37,24 @@ import torch
 
 from sfcl.engine import fused_lookup
 from sfcl.engine.graph_runner import DecodeGraphRunner
-from sfcl.engine.kv_cache import KVCache
-from sfcl.engine.sampler import sample
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
 from sfcl.engine.threads import set_thread_count
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, StepBatch
+from sfcl.model.sampler import sample
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.grounding import Grounding, SteerRow
 from sfcl.snapshot.lookback import lookback_ratios
-from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, Snapshotter,
-                                       SnapshotState)
+from sfcl.snapshot.snapshotter import (
+    MODE_ALWAYS,
+    MODE_CODES,
+    MODE_OFF,
+    Binding,
+    SnapshotHit,
+    SnapshotState,
+    Snapshotter,
+)
 from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion, fire
-
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads
 

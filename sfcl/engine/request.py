@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
-import re
-
-from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.config import SNAPSHOT_MODES
 from sfcl.snapshot.mechanisms import parse_steer
 
 TAG_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -38,8 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sfcl.snapshot.calibration import DEFAULT_TARGET, TokenRecords, calibrate_thresholds, trigger_shares, write_library
-from sfcl.snapshot.lookback import RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, train
+from sfcl.snapshot.calibration import (
+    DEFAULT_TARGET,
+    TokenRecords,
+    calibrate_thresholds,
+    trigger_shares,
+    write_library,
+)
+from sfcl.snapshot.lookback import (
+    RATIO_ONLY,
+    WITH_TOKEN,
+    LookbackModel,
+    feature_names,
+    train,
+)
 from sfcl.snapshot.triggers import Calibration, TriggerConfig, dispersion_length_table
 
 
@@ -220,26 +232,3 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     print(f"sfcl anchors calibrate: wrote {out} (manifest calibration.thresholds, calibration.json"
           f"{', calibration.png' if points else ''})", file=sys.stderr)
     return 0
-
-
-def add_parser(asub) -> None:
-    """``sfcl anchors calibrate`` on the ``anchors`` subparsers."""
-    p = asub.add_parser("calibrate", help="train the lookback model and set trigger thresholds for a target share "
-                                          "of triggering tokens", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("library", help="anchor library directory to calibrate (left unchanged)")
-    p.add_argument("corpus", nargs="+", help="documents to generate questions from (ContractNLI .json, .txt, ...)")
-    p.add_argument("--out", required=True, help="new library directory (copy of LIBRARY with the thresholds)")
-    p.add_argument("--target-rate", type=float, default=DEFAULT_TARGET,
-                   help="share of generated tokens that should trigger a lookup (1/16: the source design's ratio)")
-    p.add_argument("--docs", type=int, default=8, help="use the first N documents of the corpus")
-    p.add_argument("--questions-per-doc", type=int, default=4, help="questions per document (plus one summary)")
-    p.add_argument("--max-tokens", type=int, default=96, help="generated tokens at most per answer")
-    p.add_argument("--max-doc-tokens", type=int, default=6000, help="document tokens at most per prompt")
-    p.add_argument("--sweep", default="0.015625,0.03125,0.0625,0.125,0.25",
-                   help="target shares for the trade-off curve (empty: no sweep)")
-    p.add_argument("--sweep-items", type=int, default=12, help="answers per sweep point")
-    p.add_argument("--seed", type=int, default=0, help="question selection and bootstrap seed")
-    from sfcl.eval.drive import add_engine_flags
-
-    add_engine_flags(p, with_anchors=False)
-    p.set_defaults(fn=cmd_calibrate)

@@ -1,7 +1,7 @@
 """Driving the engine offline for the evaluation tools: prompts, batched runs, per-request records.
 
 Callers: ``sfcl eval``, ``sfcl anchors calibrate``, ``sfcl stress`` (in-process mode). The engine is
-the real serving stack (``sfcl.serving.build_engine``: model + anchor library + snapshotter +
+the real serving stack (``sfcl.engine_stack.build_engine``: model + anchor library + snapshotter +
 scheduler + engine thread); requests go through ``AsyncEngine.stream`` exactly as HTTP requests do,
 so batching, the prefix cache (when present) and the snapshot path are those of the server.
 
@@ -75,34 +75,12 @@ class Record:
         return max(0.0, (self.e2e_ms - self.ttft_ms) / 1e3) if self.completion_tokens > 1 else 0.0
 
 
-def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> None:
-    """Model (+ library) + batch flags shared by the evaluation commands."""
-    from sfcl.cli import _add_model_flags
-
-    _add_model_flags(p)
-    if with_anchors:
-        p.add_argument("--anchors", default=None,
-                       help="anchor library directory (default: the one built from the bundled sample corpus)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (KV slots)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="context window cap in tokens")
-    p.add_argument("--steer-lambda-max", type=float, default=0.5,
-                   help="kNN-LM interpolation weight at snapshot confidence 1 for the knn arms")
-    p.add_argument("--weight-quant", default="none", choices=["auto", "none", "fp16", "int8", "int4"],
-                   help="weight format of the linear layers (see `sfcl serve --help`). Default none: `auto` picks "
-                        "kernels by batch size (int4 for 1-3 rows on AVX2), so an item's greedy text would change "
-                        "with how many other arms share its batch, and arms would differ for a reason that is not "
-                        "the arm")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: eager decode instead of captured graphs (the lookback-ratio trigger reads attention "
-                        "weights that the graphs do not return)")
-
-
 def build(a: argparse.Namespace, progress: bool = True):
-    """``sfcl.serving.Built`` for the parsed flags of :func:`add_engine_flags`."""
+    """``sfcl.engine_stack.Built`` for the parsed flags of :func:`add_engine_flags`."""
     from pathlib import Path
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
-    from sfcl.serving import build_engine
+    from sfcl.engine_stack import build_engine
 
     mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
                      weight_quant=getattr(a, "weight_quant", "none"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 
 NDA_QUESTIONS = ("How long do the confidentiality obligations last?", "Which law governs this agreement?",

@@ -37,14 +37,22 @@ from pathlib import Path
 
 import numpy as np
 
+from sfcl.bench.workloads import (
+    CONTRACTNLI_DEV,  # ../shared beside the checkout, whatever the cwd
+)
 from sfcl.eval import stats
-from sfcl.eval.arms import DEFAULT_ARMS, Arm, parse_arms, run_arms, time_arms
-from sfcl.eval.drive import SYSTEM_QA, Item, Record, add_engine_flags, build, qa_prompt, token_budget_chars
+from sfcl.eval.arms import Arm, parse_arms, run_arms, time_arms
+from sfcl.eval.drive import (
+    SYSTEM_QA,
+    Item,
+    Record,
+    build,
+    qa_prompt,
+    token_budget_chars,
+)
 from sfcl.eval.questions import Question, generate_questions
 from sfcl.eval.scorer import Source, answer_correct, entity_errors
 from sfcl.snapshot.mechanisms import no_document_messages
-
-from sfcl.bench.workloads import CONTRACTNLI_DEV  # ../shared beside the checkout, whatever the cwd
 
 DEFAULT_DATA = str(CONTRACTNLI_DEV)
 COPY_WORDS = 8  # a run of this many answer words found in the document counts as copied
@@ -312,7 +320,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from sfcl.eval.labels import label_answer
     from sfcl.snapshot.calibration import write_library
     from sfcl.snapshot.lookback import LookbackModel
-    from sfcl.snapshot.triggers import Calibration, TriggerConfig
+    from sfcl.snapshot.triggers import TriggerConfig
 
     arms = parse_arms(a.arms)
     if a.questions_per_doc < 0 or a.max_tokens < 1 or a.bootstrap < 1:
@@ -450,36 +458,3 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(f"sfcl eval: {len(errors)} requests ended with an error (see eval.json meta.errors)", file=sys.stderr)
         return 1
     return 0
-
-
-def add_parser(sub) -> None:
-    """``sfcl eval`` on the top-level subparsers."""
-    from sfcl.snapshot.calibration import DEFAULT_TARGET
-
-    p = sub.add_parser("eval", help="fidelity evaluation on ContractNLI NDAs: detection of unsupported entities and "
-                                    "grounded steering per snapshot mode and mechanism",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="ContractNLI .json (or any corpus read_corpus reads)")
-    p.add_argument("--docs", default="0-30", help="documents to evaluate: indexes into the corpus, e.g. 0-30 or 0,4,9-12")
-    p.add_argument("--calibrate-on", default="31-60",
-                   help="documents to calibrate the triggers and train the lookback model on first (none: use the "
-                        "library's calibration as it is)")
-    p.add_argument("--target-rate", type=float, default=DEFAULT_TARGET, help="share of tokens the triggers should fire on")
-    p.add_argument("--questions-per-doc", type=int, default=15, help="questions per document at most (plus one summary)")
-    p.add_argument("--no-summary", action="store_true", help="skip the per-document summarisation task")
-    p.add_argument("--max-tokens", type=int, default=32, help="generated tokens at most per answer")
-    p.add_argument("--summary-tokens", type=int, default=64, help="generated tokens at most per summary")
-    p.add_argument("--max-doc-tokens", type=int, default=1500,
-                   help="document tokens per prompt: the first N; questions are generated from that excerpt")
-    p.add_argument("--arms", default=DEFAULT_ARMS,
-                   help="comma-separated arms: off, triggered, always, MODE+MECHANISMS (triggered+source, always+cad, "
-                        "triggered+source+cad, ...), random+MECHANISMS (random triggers at triggered's rate); "
-                        "best = the default mechanism")
-    p.add_argument("--speed-rounds", type=int, default=3,
-                   help="rounds of the decode-speed measurement (each arm alone, one batch of --max-num-seqs "
-                        "questions per round; 0: skip)")
-    p.add_argument("--seed", type=int, default=0, help="question selection and bootstrap seed")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for the 95%% CIs")
-    p.add_argument("--out", default="eval-out", help="output directory (eval.md, eval.json, eval.png, library/)")
-    add_engine_flags(p)
-    p.set_defaults(fn=cmd_eval)

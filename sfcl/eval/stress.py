@@ -31,8 +31,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sfcl.anchors.corpus import Document
-from sfcl.eval.questions import (AMOUNT_RE, DURATION_RE, Question, Span, fit_document, law_questions,
-                                 section_questions)
+from sfcl.eval.questions import (
+    AMOUNT_RE,
+    DURATION_RE,
+    Question,
+    Span,
+    fit_document,
+    law_questions,
+    section_questions,
+)
 
 FAMILIES = ("entity_blank", "numeric_jump", "mixed_citation")
 SEED_BAND = (1.8, 2.2)  # lookups per minute, the source design's healthy stress-test band
@@ -237,27 +244,3 @@ def cmd_stress(a: argparse.Namespace) -> int:
         print(f"sfcl stress: overall trigger rate outside the healthy band {band[0]:g}-{band[1]:g}", file=sys.stderr)
         return 1
     return 0
-
-
-def add_parser(sub) -> None:
-    """``sfcl stress`` on the top-level subparsers."""
-    from sfcl.eval.drive import add_engine_flags
-    from sfcl.eval.run import DEFAULT_DATA
-
-    p = sub.add_parser("stress", help="anchor stress test: entity blanks, numeric jumps, mixed citations",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--url", default=None, help="run against this server (default: in-process engine)")
-    p.add_argument("--api-key", default=None, help="API key for --url")
-    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="documents to build the prompts from")
-    p.add_argument("--docs", type=int, default=8, help="use the first N documents (one prompt per family each)")
-    p.add_argument("--max-tokens", type=int, default=96, help="generated tokens at most per prompt")
-    p.add_argument("--excerpt-chars", type=int, default=1500, help="document characters shown with each prompt")
-    p.add_argument("--band", default=f"{SEED_BAND[0]},{SEED_BAND[1]}", help="healthy band LO,HI (the seed: 1.8,2.2 per minute)")
-    p.add_argument("--band-metric", default="per_minute", choices=["per_minute", "per_1k_tokens"],
-                   help="which trigger rate the band applies to")
-    p.add_argument("--strict", action="store_true", help="exit 1 when the overall rate is outside the band")
-    p.add_argument("--steer", action="store_true", help="request the default steering (in-process mode)")
-    p.add_argument("--seed", type=int, default=0, help="prompt generation seed")
-    p.add_argument("--out", default=None, help="directory for stress.json and stress.md")
-    add_engine_flags(p)
-    p.set_defaults(fn=cmd_stress)

@@ -239,7 +239,7 @@ class Attention(nn.Module):
         return o, (p.view(B, nh, 1, S) if want_probs else None)  # one query per sequence: "last" == "all"
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv, layer: int, want_probs: str | None):
-        """x: (B, T, H). kv: ``sfcl.engine.kv_cache.KVCache`` (writes and reads layer ``layer``).
+        """x: (B, T, H). kv: ``sfcl.model.kv_cache.KVCache`` (writes and reads layer ``layer``).
         cos, sin: ``LlamaModel.rope`` of the new tokens' positions. Returns (out (B, T, H), probs).
 
         want_probs: None, "last" or "all". probs: attention weights, float32, rows summing to 1
@@ -331,7 +331,7 @@ class ForwardOut:
 class LlamaModel(nn.Module):
     """Decoder with a slot-contiguous KV cache and a tap at one layer.
 
-    ``forward(ids, batch, kv, tap_layer)``: ids (B, T) int64. kv: ``sfcl.engine.kv_cache.KVCache``.
+    ``forward(ids, batch, kv, tap_layer)``: ids (B, T) int64. kv: ``sfcl.model.kv_cache.KVCache``.
     The tap returns the hidden state *after* block ``tap_layer`` (0-based) and that block's
     attention weights. Rotary embeddings follow RoFormer (Su et al. 2021), parameters from the
     checkpoint's config via transformers' ``ROPE_INIT_FUNCTIONS`` (default, llama3, yarn, ...).

@@ -28,7 +28,7 @@ import anyio
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
 from sfcl.server.auth import check_api_key
@@ -138,7 +138,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         reload = getattr(engine, "reload_anchors", None)
         if reload is None:
             raise ApiError(404, "this engine cannot reload anchor libraries")
-        from sfcl.anchors.store import AnchorLibraryError
+        from sfcl.library.store import AnchorLibraryError
 
         try:
             summary = await anyio.to_thread.run_sync(reload, path)

@@ -18,7 +18,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from sfcl.engine.events import SNAPSHOT_MODES
+from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.engine.request import TAG_RE, SamplingParams
 from sfcl.server.errors import ApiError, validation_api_error

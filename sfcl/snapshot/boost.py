@@ -7,7 +7,7 @@ from the server flag ``--keyword-boost FILE.json`` (a JSON list of rules, or ``{
 At admission the engine matches the request text once (case-insensitive substring match, so a
 keyword stem like ``indemnif`` matches "indemnify" and "indemnification"); at snapshot time each
 retrieved anchor's confidence is multiplied by its kind's multiplier and clamped to 1. When several
-matching rules name the same kind their multipliers multiply, as ``sfcl.anchors.store.KeywordBoost``
+matching rules name the same kind their multipliers multiply, as ``sfcl.library.store.KeywordBoost``
 documents for library rules. Library rules name "general"/"domain"; flag rules may also name
 "context" (the request's own prompt anchors).
 
@@ -81,7 +81,7 @@ def kind_multipliers(rules: list, text: str) -> dict[str, float]:
     """Multiplier per anchor kind for a request whose text is ``text`` ({} when nothing matches):
     a rule matches when the text contains one of its keywords (case-insensitive substring);
     matching rules naming the same kind multiply. rules: ``KeywordRule``s, or any records with
-    ``keywords``, ``kinds`` and ``multiplier`` (the library's ``sfcl.anchors.store.KeywordBoost``)."""
+    ``keywords``, ``kinds`` and ``multiplier`` (the library's ``sfcl.library.store.KeywordBoost``)."""
     if not rules or not text:
         return {}
     low = text.lower()

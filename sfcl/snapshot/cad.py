@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import ChunkSpec, StepBatch
+
 
 def js_divergence(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Jensen-Shannon divergence in bits, (n,) in [0, 1], of rows of log-probabilities (n, V)."""

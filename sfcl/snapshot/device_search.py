@@ -1,6 +1,6 @@
 """Anchor search on the model's device, for the fused lookup (one host transfer per step).
 
-``sfcl.anchors.index.AnchorIndex`` searches on the CPU, which needs the looked-up rows' hidden
+``sfcl.library.index.AnchorIndex`` searches on the CPU, which needs the looked-up rows' hidden
 states on the host first: a second device->host transfer in a step whose packed results already
 went over. On a GPU it is cheaper to search *every* sampled row on the device (a (N, H) x (H, A)
 matmul is nothing next to the forward) and send the top-k ids, scores and confidences along with

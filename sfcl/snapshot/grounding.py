@@ -29,10 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sfcl.engine.sampler import sample
+from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
-from sfcl.snapshot.source import SourceConfig, SourceIndex, canonical_table, repeats_ngram
+from sfcl.snapshot.source import (
+    SourceConfig,
+    SourceIndex,
+    canonical_table,
+    repeats_ngram,
+)
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 

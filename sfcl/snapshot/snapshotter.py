@@ -14,7 +14,7 @@ the old library is unmapped once the last request bound to it is released. Steer
 also search their own prompt (``sfcl.snapshot.context``), and keyword-boost rules
 (``sfcl.snapshot.boost``) scale the confidence of matching anchor kinds.
 
-The anchor library is CPU-resident and memory-mapped (``sfcl.anchors.store``); the search copy
+The anchor library is CPU-resident and memory-mapped (``sfcl.library.store``); the search copy
 is bfloat16 with exact float32 re-scoring (about 1.2 ms for 32,768 x 576 on 2 cores). On a GPU the
 runner's fused lookup searches a device copy instead (``device_index``,
 ``sfcl.snapshot.device_search``) and hands ``lookup`` the results (``found``).
@@ -28,15 +28,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sfcl.anchors.index import AnchorIndex
-from sfcl.anchors.store import AnchorLibrary
+from sfcl.library.index import AnchorIndex
+from sfcl.library.store import AnchorLibrary
 from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
-from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
+from sfcl.snapshot.boost import (
+    KeywordRule,
+    boosted_confidence,
+    kind_multipliers,
+    library_rules,
+)
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.lookback import LookbackModel, features
 from sfcl.snapshot.steering import SteerConfig, SteerInfo
-from sfcl.snapshot.triggers import Calibration, TriggerConfig, anchor_confidence_each, trigger_signals, window_mean
+from sfcl.snapshot.triggers import (
+    Calibration,
+    TriggerConfig,
+    anchor_confidence_each,
+    trigger_signals,
+    window_mean,
+)
 
 if TYPE_CHECKING:
     from sfcl.snapshot.device_search import DeviceAnchorIndex
@@ -69,7 +80,7 @@ class SnapshotHit:
 
 def library_version(lib: AnchorLibrary) -> str:
     """Short id of a library version: ``vNNNN:<content hash[:12]>`` for a version written under a
-    versioned root (``sfcl.anchors.versions``), else the first 12 hex digits of its content hash
+    versioned root (``sfcl.library.versions``), else the first 12 hex digits of its content hash
     (each write is a new immutable directory, so equal ids mean equal anchors)."""
     files = lib.manifest.get("files") or {}
     h = getattr(lib, "content_hash", None) or files.get("anchors.safetensors") or lib.path.name
@@ -135,7 +146,7 @@ class Snapshotter:
     lookback model reads this model's heads). context_weight / context_decay: weight and decay of context anchors in
     ``anchor_confidence`` (default decay: the library's median, so a prompt position as close as a
     typical cluster member gets confidence 0.5). approximate_search: on a CPU model, large
-    libraries are searched through an IVF index (``sfcl.anchors.index.AnchorIndex``,
+    libraries are searched through an IVF index (``sfcl.library.index.AnchorIndex``,
     approximate). search_dtype: the dense search copy (default ``fast_float_dtype()``: bf16 on
     CPUs with native bf16, float32 elsewhere).
     Raises ValueError for incomplete calibration or bad rules.

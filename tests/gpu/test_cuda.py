@@ -44,7 +44,7 @@ def _prefill(model, kv, slot, ids, device, tap=-1):
 def test_forward_on_cuda_matches_cpu(cache_dir):
     """The bundled model in fp32: prefill and a batched decode step agree between CPU and CUDA."""
     from sfcl.engine.graph_runner import DecodeGraphRunner
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.loader import ModelLoadError, load_model
 
     seqs = [[1, 504, 3457, 28, 253, 1823, 30], [1, 19, 2133, 314]]
@@ -71,7 +71,7 @@ def test_graph_replay_equals_eager(gb, dtype, kv_dtype):
     replay gives the eager logits, tap hidden state and dispersion (to rounding: the graph attends
     over a padded, masked bucket), and never writes the padded row's KV (a prefilling sequence)."""
     from sfcl.engine.graph_runner import DecodeGraphRunner
-    from sfcl.engine.kv_cache import KVCache
+    from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
     from sfcl.snapshot.triggers import attention_dispersion
 
@@ -177,8 +177,8 @@ def test_engine_on_cuda_graphs_and_fused_lookup(gb, tmp_path):
     default on CUDA), graphs + unfused, eager + unfused. Same tokens and signals; fused hits equal
     the CPU search's; graphs served the pure-decode steps; one host transfer per step when fused."""
     from sfcl.engine.graph_runner import DecodeGraphRunner
-    from sfcl.engine.kv_cache import KVCache
     from sfcl.engine.model_runner import ModelRunner
+    from sfcl.model.kv_cache import KVCache
 
     dev = torch.device("cuda")
     a, model = _small(gb, dev)

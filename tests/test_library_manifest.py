@@ -5,10 +5,10 @@ traceback: seen with ``"calibration": "x"``)."""
 
 import pytest
 
-from sfcl.anchors.store import AnchorLibraryError
-from sfcl.anchors.versions import load_library
+from sfcl.library.store import AnchorLibraryError
+from sfcl.library.versions import load_library
 from sfcl.snapshot.triggers import TriggerConfig
-from tests.test_anchor_store import _edit_manifest, save
+from tests.test_library_store import _edit_manifest, save
 
 
 @pytest.mark.parametrize("calibration", ["x", 5, [1, 2]])

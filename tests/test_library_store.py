@@ -1,4 +1,4 @@
-"""sfcl.anchors.store: library format round trip, validation errors, memory mapping."""
+"""sfcl.library.store: library format round trip, validation errors, memory mapping."""
 import gc
 import json
 from pathlib import Path
@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError, load_library_dir, save_library
+from sfcl.library.store import (
+    AnchorLibrary,
+    AnchorLibraryError,
+    load_library_dir,
+    save_library,
+)
 
 FP = "fp-abc123"
 
@@ -238,7 +243,7 @@ def test_the_format_imports_nothing_above_it():
     reverse (top-level and function-local imports alike)."""
     import ast
 
-    import sfcl.anchors.store as store
+    import sfcl.library.store as store
 
     tree = ast.parse(Path(store.__file__).read_text(encoding="utf-8"))
     names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -1,10 +1,10 @@
-"""Adversarial checks of sfcl.engine.sampler (mixed batches, vocab sizes around NUCLEUS_TOPK and
+"""Adversarial checks of sfcl.model.sampler (mixed batches, vocab sizes around NUCLEUS_TOPK and
 CDF_BLOCK, degenerate rows, nucleus exclusion, frequencies, the two-level inverse CDF)."""
 
 import pytest
 import torch
 
-from sfcl.engine.sampler import CDF_BLOCK, NUCLEUS_TOPK, _inverse_cdf, sample
+from sfcl.model.sampler import CDF_BLOCK, NUCLEUS_TOPK, _inverse_cdf, sample
 
 
 def _gen(seed):

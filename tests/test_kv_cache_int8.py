@@ -9,7 +9,7 @@ every answer was its first token followed by ``<|endoftext|>`` up to max_tokens.
 
 import torch
 
-from sfcl.engine.kv_cache import KVCache
+from sfcl.model.kv_cache import KVCache
 from tests.test_kv_cache import ARGS, kv_pair
 
 
@@ -37,7 +37,7 @@ def test_int8_engine_greedy_follows_bf16_on_a_short_prompt(lm):
     from sfcl.engine.engine import run_to_completion
     from sfcl.engine.events import TextDelta
     from sfcl.engine.request import SamplingParams
-    from sfcl.serving import make_llm_engine
+    from sfcl.engine_stack import make_llm_engine
 
     text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is a contract?"}],
                                             tokenize=False, add_generation_prompt=True)

@@ -2,10 +2,10 @@
 
 Owns: the ``sfcl-anchors`` directory format (version 1), :func:`save_library`,
 :func:`load_library_dir`, :class:`AnchorLibrary` and the keyword-boost rules stored in the
-manifest. Layers above it: ``sfcl.anchors.versions`` (version roots; its ``load_library`` is what
-callers open a library with) and ``sfcl.anchors.index`` (the search index the snapshotter queries).
+manifest. Layers above it: ``sfcl.library.versions`` (version roots; its ``load_library`` is what
+callers open a library with) and ``sfcl.library.index`` (the search index the snapshotter queries).
 Callers of the format itself: the anchor builder and the lifecycle commands write through
-``sfcl.anchors.versions.write_version`` or :func:`save_library`. Nothing here touches the model
+``sfcl.library.versions.write_version`` or :func:`save_library`. Nothing here touches the model
 or a GPU, and nothing here imports the layers above.
 
 A library is an immutable directory::
@@ -20,7 +20,7 @@ A library is an immutable directory::
                          created, files {name: sha256hex}, content_hash (sha256 over the two
                          data-file hashes), keyword_boost (rule list, optional, default []),
                          version (lineage record of a versioned write, optional; see
-                         ``sfcl.anchors.versions``)
+                         ``sfcl.library.versions``)
 
 Data lives on the CPU. Loaded tensors are zero-copy views of a private (copy-on-write) memory map
 of ``anchors.safetensors``: treat them as read-only; writing would only dirty process pages, never
@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-
 
 FORMAT = "sfcl-anchors"
 FORMAT_VERSION = 1
@@ -184,7 +183,7 @@ class AnchorLibrary:
 
     def close(self) -> None:
         """Drop this object's references to the mapped tensors (the map is unmapped once no
-        other tensor, e.g. a ``sfcl.anchors.index.AnchorIndex``, still views it). Any later use
+        other tensor, e.g. a ``sfcl.library.index.AnchorIndex``, still views it). Any later use
         of the tensor fields fails."""
         for name in _FIELDS:
             setattr(self, name, None)
@@ -223,7 +222,7 @@ def save_library(out_dir, *, vectors, counts, weights, decay, next_ids, next_pro
     cast. ``next_ids``/``next_probs`` are (N, K); the rest are (N,). ``span_texts`` has N strings
     (cut to 300 chars); ``span_doc`` indexes ``doc_ids``. ``keyword_boost`` is a rule list
     (:class:`KeywordBoost` objects or their JSON dicts); ``version`` the lineage record that
-    ``sfcl.anchors.versions.write_version`` passes (stored as the manifest's ``version``).
+    ``sfcl.library.versions.write_version`` passes (stored as the manifest's ``version``).
 
     Raises ValueError on wrong shapes/dtypes/values (zero vector, kind not 0/1, decay <= 0,
     span_doc out of range, next_ids < -1); FileExistsError if ``out_dir`` exists and is not an
@@ -323,7 +322,7 @@ def load_library_dir(path, *, expect_fingerprint: str | None = None,
                      expect_hidden_size: int | None = None, verify_checksums: bool = True,
                      expect_model_name: str | None = None) -> AnchorLibrary:
     """Open and validate the library directory ``path`` (tensors memory-mapped, not copied).
-    A versioned root is opened by ``sfcl.anchors.versions.load_library``, which resolves it to
+    A versioned root is opened by ``sfcl.library.versions.load_library``, which resolves it to
     one of these directories.
 
     ``expect_fingerprint``/``expect_hidden_size`` are the serving model's; ``expect_model_name``

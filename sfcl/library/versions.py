@@ -4,14 +4,14 @@ Owns the version layout, :func:`load_library` (how every caller opens a library:
 its versions or a plain directory), :func:`write_version` (the one way the lifecycle commands and
 ``sfcl anchors build`` write a library), :func:`resolve_library_dir`, :func:`list_versions` and
 :func:`describe_command`, behind ``sfcl anchors versions`` and ``sfcl anchors boost`` (``sfcl.cli.anchors``). It sits above the file format
-(``sfcl.anchors.store``), which knows nothing of versions. Data lives on the CPU; nothing here
+(``sfcl.library.store``), which knows nothing of versions. Data lives on the CPU; nothing here
 touches the model.
 
 Layout::
 
     ROOT/
       CURRENT          one line: the current version's directory name, e.g. "v0003"
-      v0001/           an ordinary library directory (see sfcl.anchors.store), never modified
+      v0001/           an ordinary library directory (see sfcl.library.store), never modified
       v0002/           ... its manifest.json carries "version": {number, parent, parent_content_hash,
       v0003/               command, created, counts {general, domain}} and "content_hash"
 
@@ -37,8 +37,15 @@ from pathlib import Path
 
 import torch
 
-from sfcl.anchors.store import (KIND_NAMES, MANIFEST_FILE, AnchorLibrary, AnchorLibraryError,
-                                load_library_dir, parse_keyword_boost, save_library)
+from sfcl.library.store import (
+    KIND_NAMES,
+    MANIFEST_FILE,
+    AnchorLibrary,
+    AnchorLibraryError,
+    load_library_dir,
+    parse_keyword_boost,
+    save_library,
+)
 
 CURRENT_FILE = "CURRENT"
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
@@ -93,7 +100,7 @@ def resolve_library_dir(path) -> Path:
 def load_library(path, *, expect_fingerprint: str | None = None, expect_hidden_size: int | None = None,
                  verify_checksums: bool = True, expect_model_name: str | None = None) -> AnchorLibrary:
     """Open the library ``path`` stands for (:func:`resolve_library_dir`: CURRENT's version of a
-    root, else ``path``) with ``sfcl.anchors.store.load_library_dir`` and its checks (the keyword
+    root, else ``path``) with ``sfcl.library.store.load_library_dir`` and its checks (the keyword
     arguments are its own). Raises AnchorLibraryError for a damaged CURRENT pointer and for
     everything ``load_library_dir`` rejects."""
     return load_library_dir(resolve_library_dir(Path(path)), expect_fingerprint=expect_fingerprint,

@@ -18,7 +18,7 @@ import torch
 from sfcl.config import EngineConfig
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent
 from sfcl.engine.request import SamplingParams
-from sfcl.serving import make_llm_engine
+from sfcl.engine_stack import make_llm_engine
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +121,9 @@ def test_reload_with_lookups_in_flight_keeps_the_old_version_until_its_last_requ
     import gc
     import weakref
 
-    from sfcl.anchors.versions import load_library
     from sfcl.config import SnapshotConfig
-    from sfcl.serving import make_reloader
+    from sfcl.engine_stack import make_reloader
+    from sfcl.library.versions import load_library
 
     old_lib = load_library(nda_library.path, expect_fingerprint=lm.fingerprint)
     gone = weakref.ref(old_lib)

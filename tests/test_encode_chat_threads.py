@@ -15,17 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_fuzz_chat import _cached_tokenizer_dir
-
 
 @pytest.fixture(scope="module")
-def engine_like():
-    folder = _cached_tokenizer_dir()
-    if folder is None:
-        pytest.skip("no cached tokenizer (run the model tests once to fill .cache/test)")
-    from transformers import AutoTokenizer
-
-    return SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+def engine_like(lm):
+    return SimpleNamespace(tokenizer=lm.tokenizer)  # the bundled model's tokenizer, as the server loads it
 
 
 def test_encode_chat_is_thread_safe(engine_like):

@@ -1,4 +1,5 @@
-"""Assembly: model + anchor library + snapshotter + scheduler + runner -> a running AsyncEngine.
+"""Assembly of the engine stack: model + anchor library + snapshotter + scheduler + runner -> a running
+AsyncEngine (hence the name: the one place where the layers are put together).
 
 Used by ``sfcl serve`` and ``sfcl generate``. Anchor-loading diagnostics go to stderr, prefixed
 ``[ANCHOR]``, never to the stdout JSON request log.
@@ -14,18 +15,19 @@ from pathlib import Path
 
 import torch
 
-from sfcl.anchors.store import AnchorLibrary, AnchorLibraryError
-from sfcl.anchors.versions import load_library
 from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
 from sfcl.engine.async_engine import AsyncEngine
 from sfcl.engine.engine import LLMEngine
 from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.host_memory import keep_freed_memory
-from sfcl.engine.kv_cache import KVCache
 from sfcl.engine.model_runner import ModelRunner
 from sfcl.engine.scheduler import Scheduler, SchedulerConfig
 from sfcl.engine.threads import run_on_scratch_thread
+from sfcl.library.store import AnchorLibrary, AnchorLibraryError
+from sfcl.library.versions import load_library
+from sfcl.metrics import PrometheusStatLogger
 from sfcl.model.hardware import resolve_weight_format
+from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
 from sfcl.model.quant import quantize_weights
 from sfcl.snapshot.boost import load_rules
@@ -34,6 +36,7 @@ from sfcl.snapshot.grounding import Grounding
 from sfcl.snapshot.snapshotter import Snapshotter
 from sfcl.snapshot.steering import SteerConfig
 from sfcl.snapshot.triggers import TriggerConfig
+
 
 def tagged_log(tag: str, msg: str) -> None:
     """One start-up progress line on stderr, ``[TAG] msg``."""
@@ -234,11 +237,12 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         max_len = engine.scheduler.cfg.max_model_len
         extra = {"anchors": {"path": str(lib.path), "n_anchors": lib.n_anchors, "layer": lib.layer} if lib else None,
                  "default_snapshot_mode": scfg.default_mode, "malloc_tuned": malloc_tuned}
-        metrics = {"known_tags": tuple(ecfg.metric_tags) + tuple(ecfg.priority_tags),
-                   "n_anchors": lib.n_anchors if lib else 0, "price_per_hour": ecfg.price_per_hour,
-                   "kv_slots": ecfg.max_num_seqs}
+        metrics = PrometheusStatLogger(engine.runner.snapshotter is not None,
+                                       known_tags=tuple(ecfg.metric_tags) + tuple(ecfg.priority_tags),
+                                       n_anchors=lib.n_anchors if lib else 0, price_per_hour=ecfg.price_per_hour,
+                                       kv_slots=ecfg.max_num_seqs)
         ae = AsyncEngine(engine, model_name=lm.name, max_model_len=max_len, tokenizer=lm.tokenizer,
-                         extra_health=extra, num_threads=mcfg.threads, metrics_kwargs=metrics,
+                         metrics=metrics, extra_health=extra, num_threads=mcfg.threads,
                          reloader=make_reloader(lm, scfg, mcfg.device))
     finally:
         torch.set_num_threads(main_threads)  # the engine thread sets its own (decode_threads)

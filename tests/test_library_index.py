@@ -1,14 +1,13 @@
-"""sfcl.anchors.index.AnchorIndex: dense and IVF top-k search, the exact re-scoring contract, the
+"""sfcl.library.index.AnchorIndex: dense and IVF top-k search, the exact re-scoring contract, the
 exact fallback of short candidate lists, input handling."""
 
 import numpy as np
 import pytest
 import torch
+from test_library_store import make_arrays, save
 
-from sfcl.anchors.index import IVF_MIN_ANCHORS, AnchorIndex
-from sfcl.anchors.store import load_library_dir
-
-from test_anchor_store import make_arrays, save
+from sfcl.library.index import IVF_MIN_ANCHORS, AnchorIndex
+from sfcl.library.store import load_library_dir
 
 
 def _lib(tmp_path, n, d, vectors=None, seed=0):

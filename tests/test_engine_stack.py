@@ -1,16 +1,16 @@
-"""sfcl.serving: anchor loading at start-up (the first-start build and --anchor-timeout)."""
+"""sfcl.engine_stack: anchor loading at start-up (the first-start build and --anchor-timeout)."""
 
 import time
 
 import pytest
 
-from sfcl.anchors.store import AnchorLibraryError
 from sfcl.config import SnapshotConfig
+from sfcl.library.store import AnchorLibraryError
 
 
 def test_first_start_build_is_not_under_the_load_timeout(lm, nda_library, monkeypatch, tmp_path):
     """A default-library build slower than --anchor-timeout still starts the server, built once."""
-    import sfcl.serving as serving
+    import sfcl.engine_stack as stack
 
     calls = []
 
@@ -19,15 +19,15 @@ def test_first_start_build_is_not_under_the_load_timeout(lm, nda_library, monkey
         time.sleep(0.5)  # "building": longer than the 0.2 s load timeout below
         return nda_library.path
 
-    monkeypatch.setattr(serving, "ensure_default_library", slow_build)
-    lib = serving.load_anchors(lm, SnapshotConfig(anchor_timeout_s=0.2, anchor_retry=3, cache_dir=tmp_path), False)
+    monkeypatch.setattr(stack, "ensure_default_library", slow_build)
+    lib = stack.load_anchors(lm, SnapshotConfig(anchor_timeout_s=0.2, anchor_retry=3, cache_dir=tmp_path), False)
     assert lib is not None and lib.n_anchors == nda_library.n_anchors
     assert calls == [1]
     lib.close()
 
 
 def test_a_failed_first_start_build_is_reported_once(lm, monkeypatch, tmp_path):
-    import sfcl.serving as serving
+    import sfcl.engine_stack as stack
 
     calls = []
 
@@ -35,9 +35,9 @@ def test_a_failed_first_start_build_is_reported_once(lm, monkeypatch, tmp_path):
         calls.append(1)
         raise OSError("disk full")
 
-    monkeypatch.setattr(serving, "ensure_default_library", broken_build)
+    monkeypatch.setattr(stack, "ensure_default_library", broken_build)
     with pytest.raises(AnchorLibraryError, match="building the default anchor library failed: disk full"):
-        serving.load_anchors(lm, SnapshotConfig(anchor_retry=3, cache_dir=tmp_path), False)
+        stack.load_anchors(lm, SnapshotConfig(anchor_retry=3, cache_dir=tmp_path), False)
     assert calls == [1]  # no retry rebuilds
     scfg = SnapshotConfig(anchor_retry=3, anchor_optional=True, cache_dir=tmp_path)
-    assert serving.load_anchors(lm, scfg, False) is None  # --anchor-optional: start without snapshots
+    assert stack.load_anchors(lm, scfg, False) is None  # --anchor-optional: start without snapshots

@@ -1,7 +1,7 @@
 """Nearest-anchor search over a library's unit vectors, on the CPU: the snapshot lookup.
 
 Owns :class:`AnchorIndex`. Built by ``sfcl.snapshot.snapshotter.Snapshotter`` once per library
-version (at server start and at each reload) from an ``sfcl.anchors.store.AnchorLibrary``; the
+version (at server start and at each reload) from an ``sfcl.library.store.AnchorLibrary``; the
 snapshot lookup calls :meth:`AnchorIndex.search` for the rows whose trigger fired, on the runner's
 lookup thread (one torch thread) or on the engine thread. ``sfcl.snapshot.device_search`` mirrors
 the dense search on a GPU. The index lives in process memory and is rebuilt at every load: it is
@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from sfcl.anchors.store import AnchorLibrary
+from sfcl.library.store import AnchorLibrary
 
 IVF_MIN_ANCHORS = 4096  # below this a dense scan is about as fast as a cell scan: no index to build
 IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE

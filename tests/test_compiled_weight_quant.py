@@ -1,0 +1,93 @@
+"""The compiled decode step (``--compile``, ``sfcl.model.compiled``) with quantized weights:
+sampling, stop sequences and aborts across slots, and the one-slot bucket."""
+
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+
+from sfcl.config import EngineConfig
+from sfcl.engine.events import Finished, TextDelta
+from sfcl.engine.request import SamplingParams
+
+
+def _drive(engine, reqs, abort_rid=None, abort_after=None):
+    """Add reqs [(rid, ids, params)], step until done; abort ``abort_rid`` after it streamed
+    ``abort_after`` deltas. Returns {rid: events}."""
+    ev = defaultdict(list)
+    for rid, ids, p in reqs:
+        for r, e in engine.add_request(rid, ids, p):
+            ev[r].append(e)
+    aborted = False
+    while engine.has_work():
+        for r, e in engine.step():
+            ev[r].append(e)
+        if abort_rid and not aborted and sum(isinstance(e, TextDelta) for e in ev[abort_rid]) >= abort_after:
+            engine.abort(abort_rid)
+            aborted = True
+    return ev
+
+
+def _text(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SFCL_HEAVY_TESTS"), reason="~7.5 min of compiling on 2 cores; "
+                    "set SFCL_HEAVY_TESTS=1 (tests/test_compiled.py covers int4 + compile in CI)")
+def test_compiled_int8_weights_3_slots_sampling_stop_abort(cache_dir, lm):
+    """--compile + --weight-quant int8 with max_num_seqs=3 (kernel cut 7 > slots): greedy with a
+    stop string, two sampled rows (top_p < 1 and == 1), one aborted mid-decode, a 4th request
+    waiting for a slot: same text as eager, nothing compiled after warm-up."""
+    from conftest import contractnli_docs
+
+    from sfcl.engine_stack import make_llm_engine
+    from sfcl.model.loader import load_model
+    from sfcl.model.quant import quantize_weights
+
+    ids = lm.tokenizer.encode(contractnli_docs(1)[0].text[:2000])
+    m8 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    quantize_weights(m8.model, "int8")
+    cfg = dict(max_num_seqs=3, max_model_len=512, max_num_batched_tokens=64)
+    eager = make_llm_engine(m8, None, EngineConfig(**cfg))
+    probe = _drive(eager, [("p", ids[:80], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))])
+    full = _text(probe["p"])
+    assert len(full) >= 8
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # a substring of the greedy output: it must stop
+
+    def reqs():
+        return [("g", ids[:80], SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True)),
+                ("s1", ids[:40], SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)),
+                ("s2", ids[:150], SamplingParams(max_tokens=20, temperature=1.0, top_p=1.0, seed=2, ignore_eos=True)),
+                ("w", ids[:25], SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True))]
+
+    a = _drive(make_llm_engine(m8, None, EngineConfig(**cfg)), reqs(), "s2", 5)
+    comp = make_llm_engine(m8, None, EngineConfig(**cfg, compile=True))
+    cd = comp.runner.compiled_decode
+    assert cd.batch_buckets() == [1, 2, 3]
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    b = _drive(comp, reqs(), "s2", 5)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled while serving
+    assert cd.calls > 10
+    for rid in ("g", "s1", "s2", "w"):
+        assert _text(a[rid]) == _text(b[rid]), rid
+    fin = b["g"][-1]
+    assert isinstance(fin, Finished) and fin.stop_sequence == stop and stop not in _text(b["g"])
+    assert not any(isinstance(e, Finished) for e in b["s2"]) or b["s2"][-1].stop_reason != "max_tokens"
+    assert isinstance(b["w"][-1], Finished) and b["w"][-1].completion_tokens == 10
+
+
+def test_compiled_buckets_one_slot(lm):
+    """max_num_seqs=1 with an int4 model: only the B=1 graph (cut 7 > 1 slot)."""
+    import copy
+
+    from sfcl.model.compiled import CompiledDecode
+    from sfcl.model.kv_cache import KVCache
+    from sfcl.model.quant import quantize_weights
+
+    m = quantize_weights(copy.deepcopy(lm.model), "int4")
+    assert CompiledDecode(m, KVCache(lm.args, 1, 64, torch.bfloat16)).batch_buckets() == [1]
+    assert CompiledDecode(m, KVCache(lm.args, 7, 64, torch.bfloat16)).batch_buckets() == [1, 2, 7]
+    m0 = quantize_weights(copy.deepcopy(lm.model), "int8", max_rows=0)  # dense for every B
+    assert CompiledDecode(m0, KVCache(lm.args, 3, 64, torch.bfloat16)).batch_buckets() == [1, 2, 3]
