@@ -38,12 +38,7 @@ import torch
 from tqdm import tqdm
 
 from sfcl.anchors.corpus import read_corpus
-from sfcl.config import (
-    EngineConfig,
-    SnapshotConfig,
-    contractnli_path,
-    default_cache_dir,
-)
+from sfcl.config import EngineConfig, SnapshotConfig, contractnli_path, default_cache_dir
 from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import TextDelta
 from sfcl.engine.request import SamplingParams

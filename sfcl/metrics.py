@@ -17,14 +17,7 @@ import statistics
 import time
 from typing import Callable
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent

@@ -5,12 +5,7 @@ import pytest
 import torch
 from conftest import contractnli_docs
 
-from sfcl.anchors.builder import (
-    BuildConfig,
-    build_library,
-    calibration_prompts,
-    library_cache_name,
-)
+from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
 from sfcl.library.store import AnchorLibraryError
 from sfcl.library.versions import load_library
 from sfcl.snapshot.triggers import Calibration, TriggerConfig

@@ -15,14 +15,8 @@ from sfcl.engine.engine import run_to_completion
 from sfcl.engine.events import SnapshotEvent
 from sfcl.engine.request import SamplingParams
 from sfcl.engine_stack import make_llm_engine
-from sfcl.snapshot.boost import (
-    KeywordRule,
-    boosted_confidence,
-    kind_multipliers,
-    library_rules,
-    load_rules,
-    parse_rules,
-)
+from sfcl.snapshot.boost import (KeywordRule, boosted_confidence, kind_multipliers, library_rules, load_rules,
+                                 parse_rules)
 from sfcl.snapshot.snapshotter import Snapshotter
 
 RULES = [{"keywords": ["Governing Law", "indemnif"], "kinds": ["general"], "multiplier": 1.5}]

@@ -7,12 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.library.store import (
-    AnchorLibrary,
-    AnchorLibraryError,
-    load_library_dir,
-    save_library,
-)
+from sfcl.library.store import AnchorLibrary, AnchorLibraryError, load_library_dir, save_library
 
 FP = "fp-abc123"
 

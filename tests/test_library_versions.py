@@ -10,23 +10,9 @@ import pytest
 import torch
 
 from sfcl.cli import main
-from sfcl.library.store import (
-    AnchorLibraryError,
-    KeywordBoost,
-    _sha256,
-    parse_keyword_boost,
-)
-from sfcl.library.versions import (
-    CURRENT_FILE,
-    is_root,
-    library_fields,
-    list_versions,
-    load_library,
-    resolve_library_dir,
-    select,
-    set_current,
-    write_version,
-)
+from sfcl.library.store import AnchorLibraryError, KeywordBoost, _sha256, parse_keyword_boost
+from sfcl.library.versions import (CURRENT_FILE, is_root, library_fields, list_versions, load_library,
+                                   resolve_library_dir, select, set_current, write_version)
 from sfcl.snapshot.boost import kind_multipliers
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sfcl" / "anchors" / "sample_corpus"

@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from sfcl.snapshot.lookback import (
-    RATIO_ONLY,
-    WITH_TOKEN,
-    LookbackModel,
-    feature_names,
-    features,
-    lookback_ratios,
-    train,
-)
+from sfcl.snapshot.lookback import (RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, features, lookback_ratios,
+                                     train)
 
 
 def test_ratio_compares_mean_weight_on_prompt_and_on_answer():

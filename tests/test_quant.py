@@ -11,17 +11,8 @@ import torch.nn.functional as F
 from conftest import contractnli_docs
 from torch import nn
 
-from sfcl.model.quant import (
-    Fp16Linear,
-    QuantLinear,
-    dequantize_int4,
-    fp16_gemm_available,
-    parse_weight_format,
-    quantize_int4,
-    quantize_int8,
-    quantize_weights,
-    weight_bytes,
-)
+from sfcl.model.quant import (Fp16Linear, QuantLinear, dequantize_int4, fp16_gemm_available, parse_weight_format,
+                               quantize_int4, quantize_int8, quantize_weights, weight_bytes)
 
 
 def _linear(n=96, k=128, bias=False, seed=0) -> nn.Linear:

@@ -15,9 +15,8 @@ and never import it. One module per command (group), each with the same two part
 Modules: ``flags`` (flag groups shared by several commands: ``add_model_flags``,
 ``add_snapshot_flags``; ``configs`` -> the ``sfcl.config`` records), ``serve``, ``generate``,
 ``soak``, ``ingest``, ``bench``, ``anchors`` (build, versions, boost) and ``anchors_curate``
-(audit, prune, inject, conflicts, health), ``eval`` (the parsers of ``sfcl eval``, ``sfcl stress``
-and ``sfcl anchors calibrate``, whose ``cmd_*`` functions still live in ``sfcl.eval`` and read the
-namespace's attributes).
+(audit, prune, inject, conflicts, health), ``eval`` (``sfcl eval``, ``sfcl stress`` and ``sfcl
+anchors calibrate``).
 """
 
 from __future__ import annotations

@@ -126,14 +126,7 @@ def _write_report(out_dir, rep: dict, text: str, report_file: str, summary_file:
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from sfcl.anchors.audit import (
-        PLOT_FILE,
-        REPORT_FILE,
-        SUMMARY_FILE,
-        audit_library,
-        summary_text,
-        write_report,
-    )
+    from sfcl.anchors.audit import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, audit_library, summary_text, write_report
     from sfcl.library.versions import load_library
 
     lib = load_library(a.lib)
@@ -183,13 +176,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
 
 
 def cmd_conflicts(a: argparse.Namespace) -> int:
-    from sfcl.anchors.conflicts import (
-        REPORT_FILE,
-        SUMMARY_FILE,
-        ConflictConfig,
-        find_conflicts,
-        report,
-    )
+    from sfcl.anchors.conflicts import REPORT_FILE, SUMMARY_FILE, ConflictConfig, find_conflicts, report
     from sfcl.library.versions import load_library
 
     if a.drop and not a.out:
@@ -210,15 +197,7 @@ def cmd_conflicts(a: argparse.Namespace) -> int:
 
 
 def cmd_health(a: argparse.Namespace) -> int:
-    from sfcl.anchors.health import (
-        PLOT_FILE,
-        REPORT_FILE,
-        SUMMARY_FILE,
-        HealthConfig,
-        health,
-        plot_drift,
-        summary_text,
-    )
+    from sfcl.anchors.health import PLOT_FILE, REPORT_FILE, SUMMARY_FILE, HealthConfig, health, plot_drift, summary_text
     from sfcl.library.versions import load_library
 
     cfg = HealthConfig(n_axes=a.n_axes, max_drift=a.max_drift, min_count=a.min_count)

@@ -1,10 +1,12 @@
-"""Parsers of the evaluation commands: ``sfcl eval``, ``sfcl stress`` and ``sfcl anchors calibrate``
-(their work is done by ``sfcl.eval.run``, ``sfcl.eval.stress`` and ``sfcl.eval.calibrate``), and the
-model + library + batch flags they share (read by ``sfcl.eval.drive.build``)."""
+"""The evaluation commands: ``sfcl eval``, ``sfcl stress`` and ``sfcl anchors calibrate``. Each
+``cmd_*`` turns the parsed flags into the domain's config record (``sfcl.eval.run.EvalConfig``,
+``sfcl.eval.stress.StressConfig``, ``sfcl.eval.calibrate.CalibrateConfig``; all extend
+``sfcl.eval.drive.EngineSpec``, the model + library + batch flags they share) and calls it."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from sfcl.cli.flags import add_model_flags
 from sfcl.eval import calibrate, run, stress
@@ -60,7 +62,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for the 95%% CIs")
     p.add_argument("--out", default="eval-out", help="output directory (eval.md, eval.json, eval.png, library/)")
     add_engine_flags(p)
-    p.set_defaults(fn=run.cmd_eval)
+    p.set_defaults(fn=cmd_eval)
 
 
 def add_stress_parser(sub) -> None:
@@ -81,7 +83,7 @@ def add_stress_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt generation seed")
     p.add_argument("--out", default=None, help="directory for stress.json and stress.md")
     add_engine_flags(p)
-    p.set_defaults(fn=stress.cmd_stress)
+    p.set_defaults(fn=cmd_stress)
 
 
 def add_calibrate_parser(asub) -> None:
@@ -102,4 +104,22 @@ def add_calibrate_parser(asub) -> None:
     p.add_argument("--sweep-items", type=int, default=12, help="answers per sweep point")
     p.add_argument("--seed", type=int, default=0, help="question selection and bootstrap seed")
     add_engine_flags(p, with_anchors=False)
-    p.set_defaults(fn=calibrate.cmd_calibrate)
+    p.set_defaults(fn=cmd_calibrate)
+
+
+def _config(cls, a: argparse.Namespace, **given):
+    """``cls`` (a dataclass whose fields are flag destinations) from the parsed flags ``a``;
+    ``given`` fields are set directly."""
+    return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if f.name not in given}, **given)
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    return run.run_eval(_config(run.EvalConfig, a))
+
+
+def cmd_stress(a: argparse.Namespace) -> int:
+    return stress.run_stress(_config(stress.StressConfig, a))
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    return calibrate.run_calibrate(_config(calibrate.CalibrateConfig, a, anchors=a.library))

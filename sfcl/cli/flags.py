@@ -12,14 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sfcl.config import (
-    DTYPE_CHOICES,
-    SNAPSHOT_MODES,
-    EngineConfig,
-    ModelConfig,
-    SnapshotConfig,
-    default_cache_dir,
-)
+from sfcl.config import DTYPE_CHOICES, SNAPSHOT_MODES, EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
 
 FMT = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # **FMT on every add_parser
 

@@ -45,15 +45,8 @@ from sfcl.model.sampler import sample
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.grounding import Grounding, SteerRow
 from sfcl.snapshot.lookback import lookback_ratios
-from sfcl.snapshot.snapshotter import (
-    MODE_ALWAYS,
-    MODE_CODES,
-    MODE_OFF,
-    Binding,
-    SnapshotHit,
-    SnapshotState,
-    Snapshotter,
-)
+from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, SnapshotState,
+                                       Snapshotter)
 from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion, fire
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads

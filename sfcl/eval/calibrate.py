@@ -29,7 +29,6 @@ tokens against entity-consistency error (``calibration.png``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -38,20 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sfcl.snapshot.calibration import (
-    DEFAULT_TARGET,
-    TokenRecords,
-    calibrate_thresholds,
-    trigger_shares,
-    write_library,
-)
-from sfcl.snapshot.lookback import (
-    RATIO_ONLY,
-    WITH_TOKEN,
-    LookbackModel,
-    feature_names,
-    train,
-)
+from sfcl.eval.drive import EngineSpec
+from sfcl.snapshot.calibration import DEFAULT_TARGET, TokenRecords, calibrate_thresholds, trigger_shares, write_library
+from sfcl.snapshot.lookback import RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, train
 from sfcl.snapshot.triggers import Calibration, TriggerConfig, dispersion_length_table
 
 
@@ -165,7 +153,27 @@ def _float_list(text: str) -> list[float]:
     return vals
 
 
-def cmd_calibrate(a: argparse.Namespace) -> int:
+@dataclass(kw_only=True)
+class CalibrateConfig(EngineSpec):
+    """``sfcl anchors calibrate`` (fields = the command's flags; ``anchors`` is the library read)."""
+
+    library: str  # library directory to calibrate (left unchanged)
+    corpus: list[str]  # documents to generate questions from
+    out: str  # new library directory
+    target_rate: float
+    docs: int  # first N documents
+    questions_per_doc: int
+    max_tokens: int
+    max_doc_tokens: int
+    sweep: str  # comma-separated target shares ("" = none)
+    sweep_items: int
+    seed: int
+
+
+def run_calibrate(a: CalibrateConfig) -> int:
+    """Calibrate ``a.library`` on ``a.corpus`` and write the copy with thresholds and lookback model
+    to ``a.out`` (+ calibration.json, calibration.png with a sweep). Returns 0. Raises ValueError,
+    FileExistsError (``a.out`` not empty)."""
     from sfcl.anchors.corpus import read_corpus
     from sfcl.eval import stats
     from sfcl.eval.drive import build, run_items
@@ -180,7 +188,6 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     docs = read_corpus(a.corpus)[: a.docs]
     if not docs:
         raise ValueError("the corpus has no documents")
-    a.anchors = a.library
     built = build(a)
     eng = built.engine
     snap = eng.engine.runner.snapshotter

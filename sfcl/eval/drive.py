@@ -12,7 +12,6 @@ are cut around the gold spans of their questions (``sfcl.eval.questions.fit_docu
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 import uuid
@@ -75,19 +74,38 @@ class Record:
         return max(0.0, (self.e2e_ms - self.ttft_ms) / 1e3) if self.completion_tokens > 1 else 0.0
 
 
-def build(a: argparse.Namespace, progress: bool = True):
-    """``sfcl.engine_stack.Built`` for the parsed flags of :func:`add_engine_flags`."""
+@dataclass(kw_only=True)
+class EngineSpec:
+    """Model + library + batch settings of the evaluation commands (``sfcl.cli.eval`` maps its flags
+    onto these fields one to one; the flags' help says what each means)."""
+
+    model: str | None  # .gguf file or HF folder; None = the bundled SmolLM2-135M-Instruct
+    dtype: str  # auto | bfloat16 | float32 | float16
+    device: str  # torch device
+    threads: int | None  # torch threads; None = torch's default
+    cache_dir: str | None  # None = $SFCL_CACHE_DIR or ~/.cache/sfcl
+    anchors: str | None  # library directory; None = the default library
+    max_num_seqs: int  # KV slots
+    max_model_len: int  # tokens
+    steer_lambda_max: float  # kNN-LM weight at confidence 1 (knn arms)
+    weight_quant: str  # auto | none | fp16 | int8 | int4
+    enforce_eager: bool  # CUDA: no graphs
+
+
+def build(spec: EngineSpec, progress: bool = True):
+    """``sfcl.engine_stack.Built`` (a started AsyncEngine, the model, the library) for ``spec``.
+    Raises what ``sfcl.engine_stack.build_engine`` raises (ModelLoadError, AnchorLibraryError, ...)."""
     from pathlib import Path
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
     from sfcl.engine_stack import build_engine
 
-    mc = ModelConfig(model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
-                     weight_quant=getattr(a, "weight_quant", "none"))
-    ec = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_waiting=1024,
-                      enforce_eager=getattr(a, "enforce_eager", False))
-    sc = SnapshotConfig(anchors=a.anchors, cache_dir=Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
-                        steer_lambda_max=getattr(a, "steer_lambda_max", 0.5))
+    mc = ModelConfig(model=spec.model, dtype=spec.dtype, device=spec.device, threads=spec.threads,
+                     weight_quant=spec.weight_quant)
+    ec = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, max_waiting=1024,
+                      enforce_eager=spec.enforce_eager)
+    sc = SnapshotConfig(anchors=spec.anchors, cache_dir=Path(spec.cache_dir) if spec.cache_dir else default_cache_dir(),
+                        steer_lambda_max=spec.steer_lambda_max)
     return build_engine(mc, ec, sc, progress=progress)
 
 

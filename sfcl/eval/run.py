@@ -28,28 +28,19 @@ arm's requests, measured in the same run); the share of answers identical to ``o
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from sfcl.bench.workloads import (
-    CONTRACTNLI_DEV,  # ../shared beside the checkout, whatever the cwd
-)
+from sfcl.bench.workloads import CONTRACTNLI_DEV  # ../shared beside the checkout, whatever the cwd
 from sfcl.eval import stats
 from sfcl.eval.arms import Arm, parse_arms, run_arms, time_arms
-from sfcl.eval.drive import (
-    SYSTEM_QA,
-    Item,
-    Record,
-    build,
-    qa_prompt,
-    token_budget_chars,
-)
+from sfcl.eval.drive import SYSTEM_QA, EngineSpec, Item, Record, build, qa_prompt, token_budget_chars
 from sfcl.eval.questions import Question, generate_questions
 from sfcl.eval.scorer import Source, answer_correct, entity_errors
 from sfcl.snapshot.mechanisms import no_document_messages
@@ -311,7 +302,31 @@ def _observed_rate(recs: list[Record], cfg) -> float:
     return float(fire(torch.tensor(sig, dtype=torch.float32), cfg).any(1).float().mean()) if sig else 0.0
 
 
-def cmd_eval(a: argparse.Namespace) -> int:
+@dataclass(kw_only=True)
+class EvalConfig(EngineSpec):
+    """``sfcl eval``: what to evaluate and how (fields = the command's flags, see ``sfcl eval --help``)."""
+
+    data: list[str]  # corpus files (ContractNLI .json)
+    docs: str  # evaluated documents: "0-30", "0,4,9-12"
+    calibrate_on: str  # calibration documents, or "none"
+    target_rate: float  # share of tokens the triggers should fire on
+    questions_per_doc: int
+    no_summary: bool
+    max_tokens: int  # per answer
+    summary_tokens: int  # per summary
+    max_doc_tokens: int  # document tokens per prompt
+    arms: str  # comma-separated arms (sfcl.eval.arms.parse_arms)
+    speed_rounds: int  # 0: no decode-speed measurement
+    seed: int
+    bootstrap: int  # replicates
+    out: str  # output directory
+
+
+def run_eval(a: EvalConfig) -> int:
+    """Run the evaluation ``a`` describes, write eval.md / eval.json / eval.png (and the calibrated
+    library) under ``a.out``, print the tables. Returns 0, or 1 when some request ended with an error.
+    Raises ValueError (bad settings, overlapping document sets, no questions, no library),
+    FileExistsError (``a.out``/library exists), and what the engine build raises."""
     import torch
 
     from sfcl.anchors.corpus import read_corpus

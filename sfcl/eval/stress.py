@@ -20,7 +20,6 @@ portable one, and ``--band-metric`` selects which the band applies to.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -31,15 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sfcl.anchors.corpus import Document
-from sfcl.eval.questions import (
-    AMOUNT_RE,
-    DURATION_RE,
-    Question,
-    Span,
-    fit_document,
-    law_questions,
-    section_questions,
-)
+from sfcl.eval.drive import EngineSpec
+from sfcl.eval.questions import AMOUNT_RE, DURATION_RE, Question, Span, fit_document, law_questions, section_questions
 
 FAMILIES = ("entity_blank", "numeric_jump", "mixed_citation")
 SEED_BAND = (1.8, 2.2)  # lookups per minute, the source design's healthy stress-test band
@@ -198,7 +190,28 @@ def _run_url(url: str, api_key: str | None, prompts: list[StressPrompt], max_tok
     return lookups, tokens
 
 
-def cmd_stress(a: argparse.Namespace) -> int:
+@dataclass(kw_only=True)
+class StressConfig(EngineSpec):
+    """``sfcl stress`` (fields = the command's flags, see ``sfcl stress --help``)."""
+
+    url: str | None  # a server to run against; None = an in-process engine
+    api_key: str | None
+    data: list[str]
+    docs: int
+    max_tokens: int
+    excerpt_chars: int
+    band: str  # "LO,HI"
+    band_metric: str  # per_minute | per_1k_tokens
+    strict: bool
+    steer: bool
+    seed: int
+    out: str | None
+
+
+def run_stress(a: StressConfig) -> int:
+    """Run the three stress families, print the table, write stress.json/.md under ``a.out``.
+    Returns 1 when ``a.strict`` and the overall rate is outside the band, else 0. Raises
+    ValueError for bad settings or a missing library."""
     from sfcl.anchors.corpus import read_corpus
 
     band = parse_band(a.band)

@@ -37,15 +37,8 @@ from pathlib import Path
 
 import torch
 
-from sfcl.library.store import (
-    KIND_NAMES,
-    MANIFEST_FILE,
-    AnchorLibrary,
-    AnchorLibraryError,
-    load_library_dir,
-    parse_keyword_boost,
-    save_library,
-)
+from sfcl.library.store import (KIND_NAMES, MANIFEST_FILE, AnchorLibrary, AnchorLibraryError, load_library_dir,
+                                 parse_keyword_boost, save_library)
 
 CURRENT_FILE = "CURRENT"
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")

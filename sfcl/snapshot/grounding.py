@@ -32,12 +32,7 @@ import torch
 from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
-from sfcl.snapshot.source import (
-    SourceConfig,
-    SourceIndex,
-    canonical_table,
-    repeats_ngram,
-)
+from sfcl.snapshot.source import SourceConfig, SourceIndex, canonical_table, repeats_ngram
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 

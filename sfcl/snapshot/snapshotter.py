@@ -32,22 +32,11 @@ from sfcl.library.index import AnchorIndex
 from sfcl.library.store import AnchorLibrary
 from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
-from sfcl.snapshot.boost import (
-    KeywordRule,
-    boosted_confidence,
-    kind_multipliers,
-    library_rules,
-)
+from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.lookback import LookbackModel, features
 from sfcl.snapshot.steering import SteerConfig, SteerInfo
-from sfcl.snapshot.triggers import (
-    Calibration,
-    TriggerConfig,
-    anchor_confidence_each,
-    trigger_signals,
-    window_mean,
-)
+from sfcl.snapshot.triggers import Calibration, TriggerConfig, anchor_confidence_each, trigger_signals, window_mean
 
 if TYPE_CHECKING:
     from sfcl.snapshot.device_search import DeviceAnchorIndex
