@@ -49,6 +49,7 @@ class PrometheusStatLogger:
         self.n_anchors, self.hit_threshold = n_anchors, hit_threshold
         self.price_per_hour, self.kv_slots = price_per_hour, max(1, kv_slots)
         self.started = time.monotonic()
+        self._library_info: Info | None = None  # sfcl_anchor_library, made by the first set_library
         self.n_requests = 0
         self.n_tokens = 0
         self.requests = Counter("sfcl_requests", "Finished requests by outcome and tag", ["status", "tag"], registry=r)
@@ -124,7 +125,7 @@ class PrometheusStatLogger:
         is logged, never raised (health still says the version)."""
         self.n_anchors = int(info.get("n_anchors") or 0)
         try:
-            if getattr(self, "_library_info", None) is None:
+            if self._library_info is None:
                 self._library_info = Info("sfcl_anchor_library", "Anchor library in use for new requests",
                                           registry=self.registry)
             self._library_info.info({k: str(v) for k, v in info.items()})

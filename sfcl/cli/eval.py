@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from sfcl.cli.flags import add_model_flags
+from sfcl.cli.flags import FMT, add_model_flags
 from sfcl.eval import calibrate, run, stress
 from sfcl.eval.arms import DEFAULT_ARMS
 from sfcl.snapshot.calibration import DEFAULT_TARGET
@@ -37,8 +37,7 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
 def add_eval_parser(sub) -> None:
     """``sfcl eval`` on the top-level subparsers."""
     p = sub.add_parser("eval", help="fidelity evaluation on ContractNLI NDAs: detection of unsupported entities and "
-                                    "grounded steering per snapshot mode and mechanism",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                    "grounded steering per snapshot mode and mechanism", **FMT)
     p.add_argument("--data", nargs="+", default=[run.DEFAULT_DATA], help="ContractNLI .json (or any corpus read_corpus reads)")
     p.add_argument("--docs", default="0-30", help="documents to evaluate: indexes into the corpus, e.g. 0-30 or 0,4,9-12")
     p.add_argument("--calibrate-on", default="31-60",
@@ -67,8 +66,7 @@ def add_eval_parser(sub) -> None:
 
 def add_stress_parser(sub) -> None:
     """``sfcl stress`` on the top-level subparsers."""
-    p = sub.add_parser("stress", help="anchor stress test: entity blanks, numeric jumps, mixed citations",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("stress", help="anchor stress test: entity blanks, numeric jumps, mixed citations", **FMT)
     p.add_argument("--url", default=None, help="run against this server (default: in-process engine)")
     p.add_argument("--api-key", default=None, help="API key for --url")
     p.add_argument("--data", nargs="+", default=[run.DEFAULT_DATA], help="documents to build the prompts from")
@@ -89,7 +87,7 @@ def add_stress_parser(sub) -> None:
 def add_calibrate_parser(asub) -> None:
     """``sfcl anchors calibrate`` on the ``anchors`` subparsers."""
     p = asub.add_parser("calibrate", help="train the lookback model and set trigger thresholds for a target share "
-                                          "of triggering tokens", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                          "of triggering tokens", **FMT)
     p.add_argument("library", help="anchor library directory to calibrate (left unchanged)")
     p.add_argument("corpus", nargs="+", help="documents to generate questions from (ContractNLI .json, .txt, ...)")
     p.add_argument("--out", required=True, help="new library directory (copy of LIBRARY with the thresholds)")
