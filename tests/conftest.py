@@ -72,6 +72,35 @@ def _lm_left_as_found(request):
     assert _model_layout(lm) == before, "this test changed the shared session model `lm` in place"
 
 
+SHALLOW_LAYERS = 3
+
+
+@pytest.fixture
+def shallow_model(cache_dir):
+    """shallow_model(dtype=torch.float32) -> a fresh ``LoadedModel``: the bundled model cut to its
+    first ``SHALLOW_LAYERS`` decoder blocks (its real tokenizer, embedding, final norm and head).
+
+    For the ``torch.compile`` tests: Inductor's compile time grows with the number of blocks it
+    unrolls (all 30 took ~2.5-5 min per engine on 2 cores with a cold cache), while what those tests
+    check (the compiled decode step gives the eager engine's tokens, graph buckets, no recompiles,
+    one code object per model) runs the same ``LlamaModel`` code at any depth. Each call loads its
+    own copy, so a test may quantize or perturb it."""
+    import dataclasses
+
+    from torch import nn
+
+    from sfcl.model.loader import load_model
+
+    def make(dtype: torch.dtype = torch.float32):
+        full = load_model(None, dtype=dtype, cache_dir=cache_dir)
+        args = dataclasses.replace(full.args, n_layers=SHALLOW_LAYERS)
+        full.model.layers = nn.ModuleList(list(full.model.layers)[:SHALLOW_LAYERS])
+        full.model.a = args
+        return dataclasses.replace(full, args=args)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def nda_library(lm, cache_dir):
     """Anchors built from the first 4 ContractNLI NDAs (k-means down to 2,048 anchors)."""

@@ -23,13 +23,13 @@ def _texts(events):
     return ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in events]
 
 
-def test_compiled_decode_matches_eager_greedy_fp32(cache_dir, nda_prompt):
+def test_compiled_decode_matches_eager_greedy_fp32(shallow_model, nda_prompt):
     """fp32, several sequences joining and leaving (B = 1 and B >= 2 graphs, lengths crossing
-    the zero-ahead boundary): the compiled engine emits the eager engine's greedy tokens."""
+    the zero-ahead boundary): the compiled engine emits the eager engine's greedy tokens
+    (the bundled model cut to a few blocks, ``shallow_model``: compile time grows with depth)."""
     from sfcl.engine_stack import make_llm_engine
-    from sfcl.model.loader import load_model
 
-    fp32 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    fp32 = shallow_model()
     prompts = [(nda_prompt[:n], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                for n, m in ((240, 24), (17, 40), (90, 8), (250, 12))]
     eager = make_llm_engine(fp32, None, EngineConfig(max_num_seqs=4, max_model_len=512))
@@ -61,16 +61,15 @@ def test_compiled_decode_refuses_prefill_steps(lm):
         CompiledDecode(lm.model, KVCache(lm.args, 2, 64, torch.bfloat16, kv_dtype="int8"))
 
 
-def test_compiled_decode_with_int4_weights_matches_eager(cache_dir, nda_prompt):
+def test_compiled_decode_with_int4_weights_matches_eager(shallow_model, nda_prompt):
     """--compile with --weight-quant int4 (fp32 activations, so both paths round alike): 8
     sequences join and leave, so decode batches cross the packed/dense kernel cut (B <= 6 and
     B = 7, 8); the compiled engine emits the eager engine's greedy tokens, with no graph compiled
     after warm-up."""
     from sfcl.engine_stack import make_llm_engine
-    from sfcl.model.loader import load_model
     from sfcl.model.quant import quantize_weights
 
-    lm4 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    lm4 = shallow_model()
     quantize_weights(lm4.model, "int4")
     prompts = [(nda_prompt[:n], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                for n, m in ((200, 30), (17, 12), (90, 20), (33, 6), (120, 26), (60, 16), (75, 9), (45, 22))]

@@ -17,7 +17,7 @@ def _texts(events):
 
 
 @pytest.mark.slow
-def test_two_models_and_one_model_twice_compiled_in_one_process(cache_dir):
+def test_two_models_and_one_model_twice_compiled_in_one_process(shallow_model):
     """Two fp32 models of one architecture with different weights (nothing the filtered guards
     check tells them apart: only the private code object does), plus a second engine on the first
     model, all compiled in one process before any serves: each compiled engine gives its own eager
@@ -31,9 +31,8 @@ def test_two_models_and_one_model_twice_compiled_in_one_process(cache_dir):
     from conftest import contractnli_docs
 
     from sfcl.engine_stack import make_llm_engine
-    from sfcl.model.loader import load_model
 
-    fp32 = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    fp32 = shallow_model()  # the bundled model cut to a few blocks: compile time grows with depth
     other = dataclasses.replace(fp32, model=copy.deepcopy(fp32.model))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
