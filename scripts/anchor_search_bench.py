@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2000, help="timed searches per case")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the model (the engine's)")
     ap.add_argument("--cache-dir", default=str(default_cache_dir()))
+    ap.add_argument("--nprobe", type=int, nargs="+", default=[None],
+                    help="IVF cells scanned per query; several values compare them on the same queries "
+                         "(default: the server's, sfcl.library.index.IVF_NPROBE)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model(None, cache_dir=a.cache_dir)
@@ -102,15 +105,18 @@ def main() -> None:
     print(f"queries: {q.shape[0]} states ({int(is_answer.sum())} of generated answer tokens) from {len(docs)} NDAs "
           f"in {time.perf_counter() - t0:.1f} s")
     exact = AnchorIndex(lib, torch.float32)
-    index = AnchorIndex(lib, fast_float_dtype(), approximate=True)  # what Snapshotter builds on a CPU
+    # what Snapshotter builds on a CPU, once per --nprobe value (same seed: the same cells)
+    ivfs = [AnchorIndex(lib, fast_float_dtype(), approximate=True, nprobe=n) for n in a.nprobe]
     print(f"library: {lib.n_anchors} anchors x {lib.hidden_size} ({lib.path})")
-    print(f"index: {index.kind}, nprobe {index.nprobe}, built in {index.build_s * 1e3:.0f} ms, "
-          f"{index.memory_bytes() / 2**20:.1f} MiB beyond the mapped library; exact peer: dense float32, "
+    print(f"index: {ivfs[0].kind}, built in {ivfs[0].build_s * 1e3:.0f} ms, "
+          f"{ivfs[0].memory_bytes() / 2**20:.1f} MiB beyond the mapped library; exact peer: dense float32, "
           f"{exact.memory_bytes() / 2**20:.1f} MiB")
     _, ref = exact.search(q, 3)
-    _, got = index.search(q, 3)
-    for name, m in (("answer tokens", is_answer), ("prompt tokens", ~is_answer), ("all", torch.ones_like(is_answer))):
-        print(f"recall@3 vs exact, {name}: {recall_at(ref[m], got[m]):.4f} ({int(m.sum())} queries)")
+    for index in ivfs:
+        _, got = index.search(q, 3)
+        for name, m in (("answer tokens", is_answer), ("prompt tokens", ~is_answer), ("all", torch.ones_like(is_answer))):
+            print(f"nprobe {index.nprobe}: recall@3 vs exact, {name}: {recall_at(ref[m], got[m]):.4f} "
+                  f"({int(m.sum())} queries)")
 
     stop = threading.Event()
 
@@ -130,7 +136,7 @@ def main() -> None:
         def lookups() -> None:
             set_thread_count(1)  # the lookup thread's setting (sfcl.engine.model_runner)
             for rows in (1, 16):
-                box[rows] = latency([index, exact], q, rows, a.reps if rows == 1 else a.reps // 4)
+                box[rows] = latency([exact] + ivfs, q, rows, a.reps if rows == 1 else a.reps // 4)
 
         t = threading.Thread(target=lookups)
         t.start()
@@ -141,15 +147,15 @@ def main() -> None:
         res[load] = box
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, avx512_bf16={'avx512_bf16' in cpu_flags()}; "
           f"lookup thread: 1 torch thread; busy = the model's forward on {a.threads} threads alongside")
-    print("| load | rows | index p50 ms | index p99 ms | exact p50 ms | exact p99 ms | p50 speed-up |")
-    print("|---|---|---|---|---|---|---|")
+    print("| load | rows | nprobe | index p50 ms | index p99 ms | exact p50 ms | exact p99 ms | p50 speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
     for load, box in res.items():
         for rows in (1, 16):
-            i, e = box[rows]
-            print(f"| {load} | {rows} | {np.percentile(i, 50):.3f} | {np.percentile(i, 99):.3f} | "
-                  f"{np.percentile(e, 50):.3f} | {np.percentile(e, 99):.3f} | "
-                  f"{np.percentile(e, 50) / np.percentile(i, 50):.1f}x |")
-
+            e, *got = box[rows]
+            for index, i in zip(ivfs, got):
+                print(f"| {load} | {rows} | {index.nprobe} | {np.percentile(i, 50):.3f} | {np.percentile(i, 99):.3f} | "
+                      f"{np.percentile(e, 50):.3f} | {np.percentile(e, 99):.3f} | "
+                      f"{np.percentile(e, 50) / np.percentile(i, 50):.1f}x |")
 
 if __name__ == "__main__":
     main()
