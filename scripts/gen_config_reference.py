@@ -36,7 +36,6 @@ ENV_VARS = (
     ("SFCL_TEST_CACHE", "tests",
      "Cache of the test suite's converted weights and built libraries (default `<repo>/.cache/test`)."),
     ("SFCL_FUZZ_EXAMPLES", "`tests/test_fuzz_openapi.py`", "Schemathesis cases per operation."),
-    ("SFCL_HEAVY_TESTS", "tests", "`1` runs the tests that compile for minutes."),
     ("SFCL_DASHBOARD_PNG", "`tests/test_dashboard.py`", "Where to write the dashboard screenshot."),
 )
 
