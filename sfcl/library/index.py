@@ -35,10 +35,11 @@ from sfcl.library.store import AnchorLibrary
 
 IVF_MIN_ANCHORS = 4096  # below this a dense scan is about as fast as a cell scan: no index to build
 IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
-# Cells scanned per query. On real NDA states (``scripts/anchor_search_bench.py --nprobe 24 12 8 4``,
-# 17,069-anchor library of the 61 dev NDAs, 3,135 queries, AVX2 EPYC, 2026-12-03): recall@3 against
-# exact search 0.987 / 0.968 / 0.951 / 0.902 (answer tokens 0.994 / 0.984 / 0.974 / 0.931); one-row
-# lookup p50 1.24 / 0.69 / 0.58 / 0.52 ms on one thread. 12 keeps recall@3 >= 0.95 with margin.
+# Cells scanned per query. On real NDA states (``scripts/anchor_search_bench.py --nprobe 24 12 8``,
+# 3,135 queries about dev NDAs 53-60, AVX2 EPYC, 2026-12-03; docs/benchmarks.md): recall@3 against
+# exact search over 32,768 anchors of NDAs 0-15 0.990 / 0.974 / 0.959, over the 17,069 of the default
+# library 0.987 / 0.968 / 0.951; one-row lookup p50 1.44 / 0.79 / 0.65 ms on one thread (32,768).
+# 12 keeps recall@3 >= 0.95 with margin at about half the time of 24.
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
