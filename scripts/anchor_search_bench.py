@@ -157,5 +157,6 @@ def main() -> None:
                       f"{np.percentile(e, 50):.3f} | {np.percentile(e, 99):.3f} | "
                       f"{np.percentile(e, 50) / np.percentile(i, 50):.1f}x |")
 
+
 if __name__ == "__main__":
     main()
