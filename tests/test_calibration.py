@@ -11,7 +11,7 @@ import torch
 
 from sfcl.snapshot import entity
 from sfcl.snapshot.calibration import (TokenRecords, calibrate_thresholds, cutoffs_for_share, records_from_tokens,
-                                       trigger_shares, write_library)
+                                       select_triggers, signal_auroc, trigger_shares, write_library)
 from sfcl.snapshot.lookback import LookbackModel
 from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration, TriggerConfig, fire, trigger_signals
 
@@ -158,3 +158,42 @@ def test_thresholds_for_unseen_documents_keep_a_margin():
     assert held.thresholds["surprisal_z"] >= plain.thresholds["surprisal_z"]
     with pytest.raises(ValueError, match="groups"):
         calibrate_thresholds(sig, CAL, 1 / 16, groups=[0, 1])
+
+
+def test_signal_auroc_ranks_tokens_that_cannot_fire_lowest():
+    y = np.array([True, True, False, False, False])
+    assert signal_auroc(np.array([0.9, 0.8, 0.1, -np.inf, -np.inf]), y) == 1.0
+    assert signal_auroc(np.array([-np.inf, -np.inf, 0.1, 0.2, 0.3]), y) == 0.0
+    assert np.isnan(signal_auroc(np.array([0.1, 0.2]), np.array([False, False])))
+
+
+def test_triggers_without_signal_for_unsupported_tokens_get_no_budget():
+    rec = synthetic(8000, seed=3)
+    rng = np.random.default_rng(3)
+    # unsupported tokens: low-probability entity tokens (the entity and surprisal signals see them),
+    # D3 unrelated to them
+    y = rec.in_entity & (rec.token_logp < np.quantile(rec.token_logp, 0.2)) & (rng.random(rec.n) < 0.5)
+    sig = rec.signals(CAL)
+    kept, auc = select_triggers(sig, y)
+    assert "entity_low_confidence" in kept and "attention_dispersion" not in kept and auc["attention_dispersion"] < 0.6
+    assert "lookback_ratio" not in kept  # no model: its signal is -inf everywhere
+    res = calibrate_thresholds(sig, CAL, 1 / 16, kept)
+    assert res.per_trigger["attention_dispersion"] == 0.0 and abs(res.achieved - 1 / 16) < 0.004
+    # the lookback model is judged by its cross-validated AUROC, not its in-sample signal
+    assert "lookback_ratio" not in select_triggers(sig, y, lookback_cv_auroc=0.55)[0]
+    # no labelled positive: every trigger keeps its share
+    assert select_triggers(sig, np.zeros(rec.n, bool))[0] == TRIGGER_NAMES
+    with pytest.raises(ValueError):
+        select_triggers(sig, y[:10])
+
+
+def test_enabled_triggers_round_trip_through_the_manifest():
+    c = {"thresholds": {"dispersion_z": 2.0}, "enabled_triggers": ["lookback_ratio", "entity_low_confidence"]}
+    cfg = TriggerConfig.from_calibration(c, dispersion_window=5)
+    assert cfg.enabled == ("entity_low_confidence", "lookback_ratio") and cfg.dispersion_window == 5
+    sig = torch.tensor([[-np.inf, 9.0, 9.0, -np.inf]])  # dispersion and surprisal far above their cutoffs
+    assert not fire(sig, cfg).any()
+    with pytest.raises(ValueError, match="unknown trigger"):
+        TriggerConfig.from_calibration({"enabled_triggers": ["bogus"]})
+    with pytest.raises(ValueError, match="enabled_triggers"):
+        TriggerConfig.from_calibration({"enabled_triggers": "entity_low_confidence"})

@@ -17,7 +17,7 @@ from sfcl.snapshot.source import SourceConfig
 CLASSES = [0, entity.DIGIT, entity.DIGIT, entity.DIGIT, 0, entity.REFWORD | entity.CAP,
            #   6 "."                          7 " Acme"   8 " Beta"   9 " "
            entity.SENT_END | entity.CONT, entity.CAP, entity.CAP, entity.CONT]
-CANON = [(0,), (1,), (2,), (3,), (4,), (5,), (), (7,), (8,), ()]
+CANON = [(20,), (3,), (0,), (5,), (24,), (25,), (), (27,), (28,), ()]  # canonical ids 0-9 are the digits
 PROMPT = [0, 9, 1, 2, 4, 5, 9, 3, 7]  # " the 30 days Section 5 Acme"
 
 
@@ -127,3 +127,18 @@ def test_candidates_continuing_a_longer_prompt_span_win_the_re_rank():
     assert tok == 1 and info.changed and info.source_span == (0, 3)
     [(tok, _)] = grounding(span_bonus=0.0).steer([row([0, 9], 3)], logits({3: 0.6, 1: 0.3, 0: 0.1}))
     assert tok == 3  # without the bonus the model's (supported) token stays
+
+
+def test_a_number_is_judged_by_itself_and_an_unsupported_one_is_ended():
+    g = Grounding(torch.tensor(CLASSES, dtype=torch.uint8), CANON, None, SourceConfig())
+    g.prepare("h", [0, 9, 3, 6, 9, 1, 2, 4])  # " the 5. 30 days": clause 5 is a heading, no "Section 5"
+    # "Section " + "5": the number 5 is in the document, whatever word introduced it
+    [(tok, info)] = g.steer([row([5, 9], 3, rid="h")], logits({3: 0.9, 1: 0.1}))
+    assert tok == 3 and info.supported is True and not info.changed
+    # "Section 5" + "3" would make clause 53, which the document does not have: "." ends the number at 5
+    [(tok, info)] = g.steer([row([5, 9, 3], 1, rid="h")], logits({1: 0.7, 6: 0.2, 0: 0.1}))
+    assert tok == 6 and info.changed and info.supported is True
+    # "5" inside a longer number of the prompt ("35") is not a number of it: no candidate
+    g.prepare("k", [0, 9, 1, 3, 4])  # " the 35 days"
+    [(tok, info)] = g.steer([row([5, 9, 3], 1, rid="k")], logits({1: 0.7, 6: 0.2, 0: 0.1}))
+    assert tok == 1 and info.supported is False

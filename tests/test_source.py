@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sfcl.snapshot.source import SourceConfig, SourceIndex, canonical_form, canonical_table, repeats_ngram
+from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_run, canonical_table,
+                                  is_number, repeats_ngram)
 
 
 @pytest.mark.parametrize("text,form", [(" Five", "5"), ("5", "5"), (" thirty", "30"), ("(5)", "5"), (" Delaware", "delaware"),
@@ -23,19 +24,41 @@ def test_canonical_table_folds_case_space_and_number_words(lm):
 
 
 def test_longest_suffix_and_span():
-    # canonical ids: prompt "a b c d b c e" with punctuation (-1) between d and b skipped
-    table = {0: (0,), 1: (1,), 2: (2,), 3: (3,), 4: (4,)}
+    # canonical ids (words: 10+): prompt "a b c d b c e" with punctuation between d and b skipped
+    table = {0: (10,), 1: (11,), 2: (12,), 3: (13,), 4: (14,)}
     prompt = [0, 1, 2, 3, 9, 1, 2, 4]
     idx = SourceIndex(prompt, [table.get(i, ()) for i in range(10)])
     assert len(idx) == 7
-    assert idx.longest_suffix([0, 1, 2], cap=32) == (3, 2)  # "a b c" ends at canonical index 2
-    n, end = idx.longest_suffix([3, 1, 2, 4], cap=32)  # "d b c e": the punctuation is skipped
+    assert idx.longest_suffix([10, 11, 12], cap=32) == (3, 2)  # "a b c" ends at canonical index 2
+    n, end = idx.longest_suffix([13, 11, 12, 14], cap=32)  # "d b c e": the punctuation is skipped
     assert n == 4 and idx.span(end, n) == (3, 8)  # prompt positions 3..7
-    assert idx.longest_suffix([4, 4], cap=32)[0] == 1  # "e e" never occurs; "e" does
-    assert idx.longest_suffix([7], cap=32) == (0, -1)  # not in the prompt
-    assert idx.longest_suffix([0, 1, 2, 3], cap=2)[0] == 3  # counted up to cap + 1 only
-    two = SourceIndex([5, 1], [(), (1,), (), (), (), (7, 8)])  # a token with two canonical ids (a number word)
-    assert two.seq == [7, 8, 1] and two.where == [0, 0, 1] and two.span(2, 3) == (0, 2)
+    assert idx.longest_suffix([14, 14], cap=32)[0] == 1  # "e e" never occurs; "e" does
+    assert idx.longest_suffix([17], cap=32) == (0, -1)  # not in the prompt
+    assert idx.longest_suffix([10, 11, 12, 13], cap=2)[0] == 3  # counted up to cap + 1 only
+    two = SourceIndex([5, 1], [(), (11,), (), (), (), (17, 18)])  # a token with two canonical ids
+    assert two.seq == [17, 18, 11] and two.where == [0, 0, 1] and two.span(2, 3) == (0, 2)
+
+
+def test_numbers_are_delimited_in_canonical_runs():
+    # tokens: 0 " in", 1 "2", 2 "0", 3 "1", 4 ".", 5 " ", 6 " days"; digits are canonical ids 0-9
+    table = [(20,), (2,), (0,), (1,), (), (), (26,)]
+    S, E = NUM_START, NUM_END
+    seq, src = canonical_run([0, 1, 2, 3, 3, 4, 5, 3, 3, 6], table)  # " in 2011. 11 days"
+    assert seq == [20, S, 2, 0, 1, 1, E, S, 1, 1, E, 26]
+    assert src == [0, 1, 1, 2, 3, 4, 4, 7, 7, 8, 8, 9]
+    assert canonical_run([0, 3, 3], table, closed=False)[0] == [20, S, 1, 1]  # an answer's number may go on
+    assert canonical_run([3, 4, 1], table)[0] == [S, 1, E, S, 2, E]  # "1.2": two numbers
+    idx = SourceIndex([0, 1, 2, 3, 3, 4], table)  # " in 2011."
+    assert idx.longest_suffix([S, 1, 1], cap=32)[0] < 3  # "11" is not a number of this prompt
+    assert idx.longest_suffix([S, 2, 0, 1, 1, E], cap=32)[0] == 6
+    assert is_number((2, 0)) and not is_number((20,)) and not is_number(())
+
+
+def test_canonical_table_digits_are_ids_0_to_9(lm):
+    tab = canonical_table(lm.tokenizer, lm.args.vocab_size)
+    ids = lambda s: lm.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert [tab[ids(str(d))[0]] for d in range(10)] == [(d,) for d in range(10)]
+    assert tab[ids(" twelve")[0]] == (1, 2) and not is_number(tab[ids(" Term")[0]])
 
 
 def test_repeats_ngram():

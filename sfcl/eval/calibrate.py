@@ -13,9 +13,10 @@ Steps (``calibrate``):
    only and ratios + token features, cross-validated by document; the better one is kept);
 4. the D3 statistics per attended length are re-measured on these answers
    (``calibration.dispersion_by_length``: teacher-forced corpus text is a poor reference) and the
-   thresholds set with serving's rules (``sfcl.snapshot.calibration.calibrate_thresholds``) so
-   that the 90th percentile over document resamples of the share of triggering tokens is the
-   target (a margin for unseen documents).
+   thresholds set with serving's rules: the triggers whose signal separates the unsupported-entity
+   tokens get the budget (``sfcl.snapshot.calibration.select_triggers``), and their thresholds are
+   set (``calibrate_thresholds``) so that the 95th percentile over document resamples of the share
+   of triggering tokens is the target (a margin for unseen documents).
 
 Why generated tokens: the server sees greedy *answers*, whose surprisal is much lower than that
 of teacher-forced corpus text, so thresholds set on corpus text rarely fire in serving.
@@ -38,9 +39,10 @@ import numpy as np
 import torch
 
 from sfcl.eval.drive import EngineSpec
-from sfcl.snapshot.calibration import DEFAULT_TARGET, TokenRecords, calibrate_thresholds, trigger_shares, write_library
+from sfcl.snapshot.calibration import (DEFAULT_QUANTILE, DEFAULT_TARGET, MIN_TRIGGER_AUROC, TokenRecords, calibrate_thresholds,
+                                       select_triggers, trigger_shares, write_library)
 from sfcl.snapshot.lookback import RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, train
-from sfcl.snapshot.triggers import Calibration, TriggerConfig, dispersion_length_table
+from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration, TriggerConfig, dispersion_length_table
 
 
 @dataclass(slots=True)
@@ -96,23 +98,27 @@ def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "
             model = max(scored, key=lambda m: m.training["cv_auroc_by_document"])
             model.training["compared"] = {k: m.training["cv_auroc_by_document"] for k, m in fits.items()}
     signals = recs_all.signals(cal, model)
-    res = calibrate_thresholds(signals, cal, target, snap.cfg.enabled, snap.cfg.dispersion_window,
-                               groups=groups.tolist())
+    enabled, aurocs = select_triggers(signals, y > 0, TRIGGER_NAMES,  # all four: a recalibration judges each anew
+                                      model.training["cv_auroc_by_document"] if model is not None else None)
+    res = calibrate_thresholds(signals, cal, target, enabled, snap.cfg.dispersion_window, groups=groups.tolist())
     default = trigger_shares(signals, TriggerConfig())
-    entries = {"thresholds": res.thresholds,
+    entries = {"thresholds": res.thresholds, "enabled_triggers": list(enabled),
                "threshold_calibration": {
                    "target_rate": res.target, "achieved_rate": res.achieved, "per_trigger_rate": res.per_trigger,
                    "per_trigger_share_q": res.q, "n_tokens": res.n_tokens, "items": len(items),
-                   "rate_quantile_over_documents": {"quantile": 0.9, "value": res.upper},
+                   "rate_quantile_over_documents": {"quantile": DEFAULT_QUANTILE, "value": res.upper},
+                   "trigger_auroc": aurocs, "min_trigger_auroc": MIN_TRIGGER_AUROC,
                    "documents": len(set(groups.tolist())), "unsupported_entity_tokens": int(y.sum()),
-                   "default_thresholds_rate": default["union"], "rule": "equal per-trigger share, union = target",
+                   "default_thresholds_rate": default["union"],
+                   "rule": "equal per-trigger share among the enabled triggers, union quantile = target",
                    "signals": "greedy answers to generated questions (ModelRunner record_signals)"}}
     if table:
         entries["dispersion_by_length"] = table
     if model is not None:
         entries["lookback"] = model.to_dict()
-    report = {"thresholds": res.thresholds, "target_rate": res.target, "achieved_rate": res.achieved,
-              "rate_q90_over_documents": res.upper,
+    report = {"thresholds": res.thresholds, "enabled_triggers": list(enabled), "trigger_auroc": aurocs,
+              "target_rate": res.target, "achieved_rate": res.achieved,
+              "rate_quantile_over_documents": {"quantile": DEFAULT_QUANTILE, "value": res.upper},
               "per_trigger_rate": res.per_trigger, "n_tokens": res.n_tokens, "rate_with_default_thresholds": default,
               "lookback": {k: m.training for k, m in fits.items()}, "wall_s": wall}
     return CalibrationRun(entries, report, signals, cal, groups.tolist(), fits)
@@ -205,9 +211,9 @@ def run_calibrate(a: CalibrateConfig) -> int:
         points = []
         sweep_items = items[: a.sweep_items]
         for r_ in sorted(set(sweep + [a.target_rate])) if sweep else []:
-            thr = calibrate_thresholds(run.signals, run.cal, r_, snap.cfg.enabled, snap.cfg.dispersion_window,
+            thr = calibrate_thresholds(run.signals, run.cal, r_, entries["enabled_triggers"], snap.cfg.dispersion_window,
                                        groups=run.groups).thresholds
-            snap.cfg = TriggerConfig(**thr, dispersion_window=snap.cfg.dispersion_window, enabled=snap.cfg.enabled)
+            snap.cfg = TriggerConfig.from_calibration({**entries, "thresholds": thr}, snap.cfg.dispersion_window)
             rs, _ = run_items(eng, sweep_items, snapshot_mode="triggered", steer=True, desc=f"sweep {r_:.3g}")
             c = score(sweep_items, rs)
             idx = stats.bootstrap_indices(len(sweep_items), 1000, a.seed)

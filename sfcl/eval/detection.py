@@ -27,6 +27,7 @@ import torch
 
 from sfcl.eval import stats
 from sfcl.eval.labels import AnswerLabels
+from sfcl.snapshot.calibration import signal_auroc
 from sfcl.snapshot.triggers import TRIGGER_NAMES, TriggerConfig, fire
 
 
@@ -39,19 +40,6 @@ class AnswerSignals:
     labels: AnswerLabels
     confidence: np.ndarray | None = None  # (n,) snapshot confidence per token (always arm), NaN where none
     extra: dict = field(default_factory=dict)  # name -> (n,) more per-token risk scores to report AUROC for
-
-
-def _auroc(score: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    ok = np.isfinite(score)
-    s = np.where(ok, score, (score[ok].min() - 1.0) if ok.any() else 0.0)  # -inf: below every value
-    if w is not None:
-        keep = w > 0
-        s, y, w = s[keep], y[keep], w[keep]
-    if y.min() == y.max():
-        return float("nan")
-    return float(roc_auc_score(y, s, sample_weight=w))
 
 
 def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000, seed: int = 0,
@@ -119,8 +107,8 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
     out["auroc"] = {}
     for name, sc in scores.items():
         keep = ~np.isnan(sc)  # -inf (a trigger that cannot fire on the token) ranks lowest; NaN: no value
-        v = _auroc(sc[keep], Y[keep])
-        reps_v = np.array([_auroc(sc[keep], Y[keep], w[r][tok_di[keep]]) for r in range(min(reps, auroc_reps))])
+        v = signal_auroc(sc[keep], Y[keep])
+        reps_v = np.array([signal_auroc(sc[keep], Y[keep], w[r][tok_di[keep]]) for r in range(min(reps, auroc_reps))])
         lo, hi = stats.percentile_ci(reps_v)
         out["auroc"][name] = {"value": v, "ci_lo": lo, "ci_hi": hi, "n_tokens": int(keep.sum())}
     return out

@@ -333,7 +333,7 @@ def run_eval(a: EvalConfig) -> int:
     from sfcl.eval.calibrate import calibrate
     from sfcl.eval.detection import AnswerSignals, detection
     from sfcl.eval.labels import label_answer
-    from sfcl.snapshot.calibration import write_library
+    from sfcl.snapshot.calibration import MIN_TRIGGER_AUROC, write_library
     from sfcl.snapshot.lookback import LookbackModel
     from sfcl.snapshot.triggers import TriggerConfig
 
@@ -368,7 +368,7 @@ def run_eval(a: EvalConfig) -> int:
                                                                       "docs": [d.doc_id for d in cal_docs]}})
             snap.cal = calib.cal  # what `sfcl serve --anchors OUT/library` would load
             snap.lookback = LookbackModel.from_dict(calib.entries["lookback"]) if "lookback" in calib.entries else None
-            snap.cfg = TriggerConfig(**calib.entries["thresholds"], dispersion_window=snap.cfg.dispersion_window)
+            snap.cfg = TriggerConfig.from_calibration(calib.entries, snap.cfg.dispersion_window)
         items, notes = build_items(docs, eng.tokenizer, eng.encode_chat, **kw)
         if not items:
             raise ValueError("no questions could be generated from the selected documents")
@@ -430,7 +430,8 @@ def run_eval(a: EvalConfig) -> int:
     cal_info = None if calib is None else {
         "documents": [d.doc_id for d in cal_docs], "thresholds": calib.entries["thresholds"],
         "target_rate": a.target_rate, "rate_on_calibration_docs": calib.report["achieved_rate"],
-        "rate_q90_over_calibration_doc_resamples": calib.report["rate_q90_over_documents"],
+        "rate_quantile_over_calibration_doc_resamples": calib.report["rate_quantile_over_documents"],
+        "enabled_triggers": calib.entries["enabled_triggers"], "trigger_auroc_on_calibration": calib.report["trigger_auroc"],
         "rate_on_evaluated_docs": eval_rate, "lookback": calib.report["lookback"],
         "per_trigger_rate": calib.report["per_trigger_rate"], "library": str(out / "library")}
     meta = {"date": when, "command": "sfcl " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("sfcl", "cli.py")) else None,
@@ -457,10 +458,14 @@ def run_eval(a: EvalConfig) -> int:
           f"{a.speed_rounds} rounds of {len(qa)} requests per arm at {a.max_num_seqs} streams, [min, max] over rounds; "
           f"random arms fire at {100 * rate:.2f}% of tokens.", "", table(res)]
     if cal_info:
-        md += ["", f"Calibration on {len(cal_docs)} other NDAs: thresholds {cal_info['thresholds']}; the triggers fire on "
-                   f"{100 * cal_info['rate_on_calibration_docs']:.2f}% of generated tokens there (90th percentile over "
-                   f"document resamples {100 * (cal_info['rate_q90_over_calibration_doc_resamples'] or 0):.2f}%, set to "
-                   f"the target {100 * a.target_rate:.2f}%) and on {100 * (eval_rate or 0):.2f}% on the evaluated "
+        qd = cal_info["rate_quantile_over_calibration_doc_resamples"]
+        auc = ", ".join(f"{k} {v:.2f}" for k, v in cal_info["trigger_auroc_on_calibration"].items())
+        md += ["", f"Calibration on {len(cal_docs)} other NDAs: triggers kept {', '.join(cal_info['enabled_triggers'])} "
+                   f"(AUROC on the calibration answers: {auc}; kept at >= {MIN_TRIGGER_AUROC}), thresholds "
+                   f"{cal_info['thresholds']}; the triggers fire on "
+                   f"{100 * cal_info['rate_on_calibration_docs']:.2f}% of generated tokens there "
+                   f"({100 * qd['quantile']:.0f}th percentile over document resamples {100 * (qd['value'] or 0):.2f}%, "
+                   f"set to the target {100 * a.target_rate:.2f}%) and on {100 * (eval_rate or 0):.2f}% on the evaluated "
                    f"documents (observe-only answers)."]
     if det:
         md += ["", f"Detection on the `off` answers ({det['n_tokens']} tokens, {det['n_unsupported_entities']} unsupported "

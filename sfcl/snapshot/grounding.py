@@ -32,7 +32,8 @@ import torch
 from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
-from sfcl.snapshot.source import SourceConfig, SourceIndex, canonical_table, repeats_ngram
+from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_run, canonical_table, is_number,
+                                  repeats_ngram)
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 
@@ -157,32 +158,54 @@ class Grounding:
         if not entity.next_state(self.classes[tok], prev) & entity.IN_ENTITY:
             info.reason = info.reason or "not_entity"
             return tok
-        run = 0  # canonical ids of the entity so far (before this token)
-        for k in range(len(states) - 1, -1, -1):
-            if not states[k] & entity.IN_ENTITY:
-                break
-            run += len(self.canon[r.output_ids[k]])
         cap = self.cfg.copy_cap
-        hist = [c for t in r.output_ids[-(cap + 1):] for c in self.canon[t]][-(cap + 1):]
+        # the answer's recent tokens as a canonical run (numbers delimited; its last number still open)
+        first = max(0, len(r.output_ids) - 2 * (cap + 1))
+        hist, src = canonical_run(r.output_ids[first:], self.canon, closed=False)
+        ent = len(states)  # the entity so far: the trailing tokens inside an entity-like span
+        while ent > first and states[ent - 1] & entity.IN_ENTITY:
+            ent -= 1
+        run = sum(1 for p in src if p + first >= ent)  # its canonical ids (before this token)
+        if NUM_START in hist[len(hist) - run:]:  # inside a number: the number itself must be a prompt number
+            run = len(hist) - max(j for j in range(len(hist) - run, len(hist)) if hist[j] == NUM_START)
+        hist = hist[-(cap + 1):]
+        prev_num = bool(r.output_ids) and is_number(self.canon[r.output_ids[-1]])
+
+        def ids_of(c: int) -> list[int]:  # canonical ids candidate c adds to the run
+            cc = list(self.canon[c])
+            if is_number(self.canon[c]):
+                return cc if prev_num else [NUM_START] + cc
+            return ([NUM_END] if prev_num else []) + cc
 
         def support(c: int) -> tuple[bool, int, int]:
-            cc = self.canon[c]
+            cc = ids_of(c)
             if not cc:  # punctuation: as supported as the entity run it continues
                 n, end = idx.longest_suffix(hist, cap) if run else (0, -1)
                 return n >= run, n, end
-            n, end = idx.longest_suffix(hist + list(cc), cap)
-            return n >= run + len(cc) and n <= cap, n, end
+            n, end = idx.longest_suffix(hist + cc, cap)
+            need = len(cc) if cc[0] == NUM_START else run + len(cc)  # a new number: judged from its own start
+            return n >= need and n <= cap, n, end
+
+        def ends_number(c: int) -> tuple[bool, int, int]:  # c closes the number so far: is it a prompt number?
+            n, end = idx.longest_suffix(hist + [NUM_END], cap)
+            return n >= run + 1 and n <= cap, n, end
 
         cands = []  # (token, log p, match length L, match end): candidates whose entity so far is a prompt span
         ok, n, end = support(tok)
         if ok:
             cands.append((tok, float(lp[tok]), n, end))
+        closing = not ok and prev_num and is_number(self.canon[tok])  # the model continues an unsupported number
         p_tok = float(lp[tok].exp())
         top_p, top_i = lp.topk(self.cfg.top_k)
         for lpc, c in zip(top_p.tolist(), top_i.tolist()):
-            if c == tok or not self.canon[c] or lpc == float("-inf") or math.exp(lpc) < self.cfg.min_ratio * p_tok:
+            if c == tok or lpc == float("-inf") or math.exp(lpc) < self.cfg.min_ratio * p_tok:
                 continue
-            if not entity.next_state(self.classes[c], prev) & entity.IN_ENTITY:
+            if closing and not is_number(self.canon[c]):
+                ok_c, n_c, end_c = ends_number(c)
+                if ok_c and not repeats_ngram(r.output_ids, c, self.cfg.ngram):
+                    cands.append((c, lpc, n_c, end_c))
+                continue
+            if not self.canon[c] or not entity.next_state(self.classes[c], prev) & entity.IN_ENTITY:
                 continue
             if repeats_ngram(r.output_ids, c, self.cfg.ngram):
                 continue

@@ -6,7 +6,11 @@ vocabulary entry is mapped once (``canonical_table``) to its stripped, case-fold
 number words as digits, one canonical id per digit (SmolLM2-style tokenizers split numbers into
 single digits: " thirty" -> ("3", "0") like "3", "0"); entries that are only punctuation or white
 space map to () and are skipped on both sides, so "thirty (30) days" in the document and " 30
-days" in the answer share the canonical run ["3", "0", "days"]. The index is an inverted list of the positions of every canonical id; a span
+days" in the answer share the canonical run ["3", "0", "days"]. Numbers are delimited: the runs of
+prompt and answer alike carry a ``NUM_START`` marker before the first token of every number and a
+``NUM_END`` marker after its last (``canonical_run``), so "11" in an answer is supported by "11 days"
+or a clause heading "11." but not by the "11" inside "2011", and "Section 5" by "5." even where the
+document never writes "Section 5". The index is an inverted list of the positions of every canonical id; a span
 check extends backwards from each occurrence of the candidate (a suffix-array lookup restricted
 to the occurrences of the last token; entity runs are a few tokens, so this is a handful of
 comparisons).
@@ -16,9 +20,14 @@ When a trigger fires on an entity token of a request that steers with ``source``
 
     L(c) = length of the longest suffix of (answer so far + c), canonical, that occurs in the prompt
 
-and calls c *supported* when L(c) covers the whole entity run so far plus c (the entity as written
-up to c is a span of the prompt), L(c) <= copy cap (no verbatim copying of long passages), and c
-does not repeat an n-gram the answer already produced (the repetition failure of kNN steering).
+and calls c *supported* when L(c) covers the entity run so far plus c (the entity as written up to
+c is a span of the prompt; inside a number the run starts at the number's ``NUM_START``, so the
+number itself must be a prompt number, whatever word introduced it), L(c) <= copy cap (no verbatim
+copying of long passages), and c does not repeat an n-gram the answer already produced (the
+repetition failure of kNN steering). When the model's own token would continue a number into one
+the prompt does not have ("Section 1" + "1" where the document has no clause 11), a candidate that
+*ends* the number (punctuation, a space, a word) is supported when the number so far is a whole
+prompt number (the run + ``NUM_END`` occurs).
 Supported candidates are re-ranked by log p(c) + span_bonus * min(L(c), bonus_cap): the one that
 continues the longer span of the document wins unless the model finds it much less likely.
 
@@ -45,14 +54,50 @@ def canonical_form(text: str) -> str:
     return _NUM.get(t, t)
 
 
+NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
+
+
+def is_number(ids: tuple[int, ...]) -> bool:
+    """Do these canonical ids spell (part of) a number? Canonical ids 0-9 are the digits."""
+    return bool(ids) and all(0 <= c <= 9 for c in ids)
+
+
+def canonical_run(token_ids: list[int], table: list[tuple[int, ...]], closed: bool = True) -> tuple[list[int], list[int]]:
+    """Canonical ids of a token sequence with number markers, and for each id the index of the
+    token it came from. ``NUM_START`` goes before a number token (``is_number``) that does not
+    follow another one, ``NUM_END`` after the last token of a number: before the next token that is
+    not a number token (punctuation and white space included, so "1.2" is two numbers and "20 11"
+    is not "2011") and, when ``closed``, at the end (a prompt is complete; an answer's last number
+    may go on)."""
+    seq: list[int] = []
+    src: list[int] = []
+    prev_num = False
+    for p, t in enumerate(token_ids):
+        ids = table[t] if 0 <= t < len(table) else ()
+        num = is_number(ids)
+        if prev_num and not num:
+            seq.append(NUM_END)
+            src.append(p - 1)
+        if num and not prev_num:
+            seq.append(NUM_START)
+            src.append(p)
+        seq.extend(ids)
+        src.extend([p] * len(ids))
+        prev_num = num
+    if closed and prev_num:
+        seq.append(NUM_END)
+        src.append(len(token_ids) - 1)
+    return seq, src
+
+
 def canonical_table(tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
-    """(vocab_size,) canonical ids per token id: one per digit of a number, one for any other
-    word, () for punctuation, white space and special tokens (skipped)."""
+    """(vocab_size,) canonical ids per token id: one per digit of a number (the digits are ids
+    0-9), one for any other word, () for punctuation, white space and special tokens (skipped)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     n = min(vocab_size, len(tokenizer))
     texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False)
-    ids: dict[str, int] = {}
+    ids: dict[str, int] = {str(d): d for d in range(10)}
     out: list[tuple[int, ...]] = [()] * vocab_size
     for i, t in enumerate(texts):
         c = canonical_form(t)
@@ -78,20 +123,17 @@ class SourceConfig:
 
 
 class SourceIndex:
-    """Canonical prompt tokens with an inverted index of positions.
+    """Canonical prompt tokens (``canonical_run``, numbers delimited) with an inverted index of
+    positions.
 
     prompt_ids: the request's prompt token ids; table: ``canonical_table``. Built in one pass
     (a few ms per 6,000 prompt tokens)."""
 
     def __init__(self, prompt_ids: list[int], table: list[tuple[int, ...]]):
-        self.seq: list[int] = []  # canonical ids of the kept prompt tokens
-        self.where: list[int] = []  # the prompt position each canonical id came from
+        self.seq, self.where = canonical_run(prompt_ids, table)  # canonical ids; the prompt position of each
         self.occ: dict[int, list[int]] = {}  # canonical id -> indexes into seq
-        for p, t in enumerate(prompt_ids):
-            for c in (table[t] if 0 <= t < len(table) else ()):
-                self.occ.setdefault(c, []).append(len(self.seq))
-                self.seq.append(c)
-                self.where.append(p)
+        for j, c in enumerate(self.seq):
+            self.occ.setdefault(c, []).append(j)
 
     def __len__(self) -> int:
         return len(self.seq)

@@ -87,11 +87,17 @@ class TriggerConfig:
         return {"entity_prob_threshold": -c[0], "dispersion_z": c[1], "surprisal_z": c[2], "lookback_threshold": c[3]}
 
     @classmethod
-    def from_calibration(cls, calibration: dict) -> "TriggerConfig":
+    def from_calibration(cls, calibration: dict, dispersion_window: int = 3) -> "TriggerConfig":
         """Defaults overridden by ``calibration["thresholds"]`` of a library manifest (written by
-        ``sfcl anchors calibrate``); raises ValueError on unknown keys or out-of-range values."""
+        ``sfcl anchors calibrate``) and, when present, ``calibration["enabled_triggers"]`` (the
+        triggers whose signal separated unsupported-entity tokens on the calibration answers,
+        ``sfcl.snapshot.calibration.select_triggers``; absent: all four). Raises ValueError on
+        unknown keys or names and out-of-range values."""
         if not isinstance(calibration or {}, dict):
             raise ValueError(f"anchor library calibration must be an object, got {type(calibration).__name__}")
+        enabled = (calibration or {}).get("enabled_triggers", TRIGGER_NAMES)
+        if not isinstance(enabled, (list, tuple)) or not all(isinstance(n, str) for n in enabled):
+            raise ValueError(f"anchor library enabled_triggers must be a list of trigger names, got {enabled!r}")
         thr = (calibration or {}).get("thresholds") or {}
         if not isinstance(thr, dict):
             raise ValueError(f"anchor library thresholds must be an object, got {type(thr).__name__}")
@@ -103,7 +109,7 @@ class TriggerConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"anchor library thresholds: {k} must be a finite number, got {v!r}")
             values[k] = float(v)
-        return cls(**values)
+        return cls(**values, dispersion_window=dispersion_window, enabled=tuple(sorted(set(enabled), key=lambda n: (TRIGGER_NAMES + (n,)).index(n))))
 
 
 @dataclass(slots=True)
