@@ -186,24 +186,22 @@ class Grounding:
             need = len(cc) if cc[0] == NUM_START else run + len(cc)  # a new number: judged from its own start
             return n >= need and n <= cap, n, end
 
-        def ends_number(c: int) -> tuple[bool, int, int]:  # c closes the number so far: is it a prompt number?
-            n, end = idx.longest_suffix(hist + [NUM_END], cap)
-            return n >= run + 1 and n <= cap, n, end
-
         cands = []  # (token, log p, match length L, match end): candidates whose entity so far is a prompt span
         ok, n, end = support(tok)
         if ok:
             cands.append((tok, float(lp[tok]), n, end))
         closing = not ok and prev_num and is_number(self.canon[tok])  # the model continues an unsupported number
+        if closing:  # a candidate that ends the number there is supported when the number so far is a prompt number
+            n_end, end_end = idx.longest_suffix(hist + [NUM_END], cap)
+            closing = n_end >= run + 1 and n_end <= cap
         p_tok = float(lp[tok].exp())
         top_p, top_i = lp.topk(self.cfg.top_k)
         for lpc, c in zip(top_p.tolist(), top_i.tolist()):
             if c == tok or lpc == float("-inf") or math.exp(lpc) < self.cfg.min_ratio * p_tok:
                 continue
             if closing and not is_number(self.canon[c]):
-                ok_c, n_c, end_c = ends_number(c)
-                if ok_c and not repeats_ngram(r.output_ids, c, self.cfg.ngram):
-                    cands.append((c, lpc, n_c, end_c))
+                if not repeats_ngram(r.output_ids, c, self.cfg.ngram):
+                    cands.append((c, lpc, n_end, end_end))
                 continue
             if not self.canon[c] or not entity.next_state(self.classes[c], prev) & entity.IN_ENTITY:
                 continue
