@@ -35,8 +35,8 @@ def test_record_signals_are_the_runner_signals():
                              torch.tensor(rec.d3).float(), torch.tensor([10, 11, 12, 13]), None, CAL)
     assert torch.equal(sig, direct)
     # token 0: entity with p = 0.5 < 0.85; token 1: D3 z = 4 > 1.2; token 2: |z| = 3.33 > 2
-    assert fire(sig, TriggerConfig()).tolist() == [[True, False, False, False], [False, True, False, False],
-                                                   [False, False, True, False], [False, False, False, False]]
+    assert fire(sig, TriggerConfig()).tolist() == [[True, False, False, False, False], [False, True, False, False, False],
+                                                   [False, False, True, False, False], [False, False, False, False, False]]
 
 
 def test_lookback_signal_comes_from_the_model_score():
@@ -113,12 +113,27 @@ def test_records_from_tokens_apply_the_runner_rules():
     assert rec.token_logp == pytest.approx([-0.1] * 5)
 
 
+def test_records_from_tokens_apply_the_number_check_given_the_prompt():
+    from sfcl.snapshot.source import SourceIndex
+
+    table = [0, entity.DIGIT, entity.DIGIT, 0]  # 0 " days", 1 "1", 2 "2", 3 " word"
+    canon = [(20,), (1,), (2,), (23,)]
+    src = SourceIndex([3] * 70 + [1, 0], canon)  # a 72-token prompt whose one number is 1
+    rec = records_from_tokens([1, 2, 0, 1], [-0.1] * 4, [0.3] * 4, table, source=src, canon=canon)
+    assert rec.number[:2].tolist() == [0.0, 1.0] and np.isnan(rec.number[2]) and rec.number[3] == 0.0  # "12" is not
+    assert np.isnan(records_from_tokens([1, 2], [-0.1] * 2, [0.3] * 2, table).number).all()  # no prompt given
+
+
 def test_records_round_trip_the_runner_rows():
-    rows = [[-0.5, 1.0, float("nan"), 40.0, 0.1, 0.2], [-0.1, 0.0, 0.4, 41.0, 0.3, 0.4]]
+    rows = [[-0.5, 1.0, float("nan"), 40.0, 1.0, 0.1, 0.2], [-0.1, 0.0, 0.4, 41.0, float("nan"), 0.3, 0.4]]
     rec = TokenRecords.from_rows(rows)
-    assert rec.in_entity.tolist() == [True, False] and rec.features.shape == (2, 2)
+    assert rec.in_entity.tolist() == [True, False] and rec.features.tolist() == [[0.1, 0.2], [0.3, 0.4]]
+    assert rec.number[0] == 1.0 and np.isnan(rec.number[1])
     both = TokenRecords.concat([rec, rec])
-    assert both.n == 4 and both.features.shape == (4, 2)
+    assert both.n == 4 and both.features.shape == (4, 2) and both.number.shape == (4,)
+    # the number column reaches the unsupported_number trigger: it fires on the first token only
+    f = fire(both.signals(CAL), TriggerConfig(enabled=("unsupported_number",)))
+    assert f[:, -1].tolist() == [True, False, True, False] and not f[:, :-1].any()
 
 
 def test_dispersion_fires_per_attended_length():
@@ -191,7 +206,7 @@ def test_enabled_triggers_round_trip_through_the_manifest():
     c = {"thresholds": {"dispersion_z": 2.0}, "enabled_triggers": ["lookback_ratio", "entity_low_confidence"]}
     cfg = TriggerConfig.from_calibration(c, dispersion_window=5)
     assert cfg.enabled == ("entity_low_confidence", "lookback_ratio") and cfg.dispersion_window == 5
-    sig = torch.tensor([[-np.inf, 9.0, 9.0, -np.inf]])  # dispersion and surprisal far above their cutoffs
+    sig = torch.tensor([[-np.inf, 9.0, 9.0, -np.inf, 1.0]])  # dispersion, surprisal, number check all above their cutoffs
     assert not fire(sig, cfg).any()
     with pytest.raises(ValueError, match="unknown trigger"):
         TriggerConfig.from_calibration({"enabled_triggers": ["bogus"]})

@@ -10,7 +10,7 @@ import pytest
 
 from sfcl.eval.detection import AnswerSignals, detection
 from sfcl.eval.labels import AnswerLabels, EntityTokens
-from sfcl.snapshot.triggers import TriggerConfig
+from sfcl.snapshot.triggers import TRIGGER_NAMES, TriggerConfig
 
 NEG = float("-inf")
 
@@ -18,7 +18,7 @@ NEG = float("-inf")
 def answer(doc, entity_tokens, supported, fired_tokens, n=10):
     """n tokens; one entity over entity_tokens; the entity trigger's signal -p fires (p = 0.1) on
     fired_tokens and stays quiet (p = 0.99) elsewhere inside entities."""
-    sig = np.full((n, 4), NEG)
+    sig = np.full((n, len(TRIGGER_NAMES)), NEG)
     sig[:, 2] = 0.0  # |surprisal z| = 0: never fires
     for k in entity_tokens:
         sig[k, 0] = -0.99

@@ -142,3 +142,13 @@ def test_a_number_is_judged_by_itself_and_an_unsupported_one_is_ended():
     g.prepare("k", [0, 9, 1, 3, 4])  # " the 35 days"
     [(tok, info)] = g.steer([row([5, 9, 3], 1, rid="k")], logits({1: 0.7, 6: 0.2, 0: 0.1}))
     assert tok == 1 and info.supported is False
+
+
+def test_number_signal_reads_the_request_source_and_is_silent_without_a_document():
+    g = grounding(min_source_tokens=0)  # PROMPT: " the 30 days Section 5 Acme" (9 tokens)
+    assert g.number_signal("r", [0, 9, 1], 2) == 0.0  # "30"
+    assert g.number_signal("r", [0, 9, 1], 3) == 1.0  # "35": no prompt number begins with 35
+    assert math.isnan(g.number_signal("r", [0, 9], 4))  # " days": not a number token
+    assert math.isnan(g.number_signal("other", [0, 9, 1], 3))  # no index for that request
+    short = grounding(min_source_tokens=10)  # a 9-token prompt has no document to ground numbers in
+    assert math.isnan(short.number_signal("r", [0, 9, 1], 3))

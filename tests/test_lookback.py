@@ -9,6 +9,7 @@ import torch
 
 from sfcl.snapshot.lookback import (RATIO_ONLY, WITH_TOKEN, LookbackModel, feature_names, features, lookback_ratios,
                                      train)
+from sfcl.snapshot.triggers import RECORD_FEATURES_AT
 
 
 def test_ratio_compares_mean_weight_on_prompt_and_on_answer():
@@ -89,9 +90,10 @@ def test_runner_records_lookback_features_and_fires_the_trigger(lm, nda_library)
     eng.runner.execute = spy
     ids = lm.tokenizer("The term is five years. How long is the term?")["input_ids"]
     run_to_completion(eng, [(ids, SamplingParams(max_tokens=6, snapshot_mode="off", ignore_eos=True))])
-    assert len(seen) == 6 and all(len(r) == 4 + 2 * nh + 2 for r in seen)
-    assert seen[0][4:4 + nh] == pytest.approx([1.0] * nh)
-    assert all(0.0 <= v <= 1.0 for r in seen for v in r[4:4 + 2 * nh])
+    f = RECORD_FEATURES_AT
+    assert len(seen) == 6 and all(len(r) == f + 2 * nh + 2 for r in seen)
+    assert seen[0][f:f + nh] == pytest.approx([1.0] * nh)
+    assert all(0.0 <= v <= 1.0 for r in seen for v in r[f:f + 2 * nh])
     risky = LookbackModel(tuple(feature_names(nh)), (0.0,) * (2 * nh + 2), (1.0,) * (2 * nh + 2), (0.0,) * (2 * nh + 2), 9.0)
     lib = dataclasses.replace(nda_library, manifest={**nda_library.manifest, "calibration": {
         **nda_library.calibration, "lookback": risky.to_dict()}})

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_run, canonical_table,
+                                  marked, number_support,
                                   is_number, repeats_ngram)
 
 
@@ -52,6 +55,26 @@ def test_numbers_are_delimited_in_canonical_runs():
     assert idx.longest_suffix([S, 1, 1], cap=32)[0] < 3  # "11" is not a number of this prompt
     assert idx.longest_suffix([S, 2, 0, 1, 1, E], cap=32)[0] == 6
     assert is_number((2, 0)) and not is_number((20,)) and not is_number(())
+    # one token's share of a run (the rule canonical_run applies and source steering asks of candidates)
+    assert marked((1,), False) == [S, 1] and marked((1,), True) == [1]
+    assert marked((26,), True) == [E, 26] and marked((), True) == [E] and marked((26,), False) == [26]
+
+
+def test_number_support_asks_whether_the_number_so_far_begins_a_prompt_number():
+    # tokens: 0 " in", 1 "2", 2 "0", 3 "1", 4 ".", 5 " ", 6 " days"; digits are canonical ids 0-9
+    table = [(20,), (2,), (0,), (1,), (), (), (26,)]
+    idx = SourceIndex([0, 1, 2, 3, 3, 4, 5, 3, 2, 5, 6], table)  # " in 2011. 10 days"
+    assert number_support(idx, [0], 3, table, 0) == 0.0  # "1" begins "10"
+    assert number_support(idx, [0, 3], 2, table, 0) == 0.0  # "10"
+    assert number_support(idx, [0, 3], 3, table, 0) == 1.0  # "11": only inside "2011", no number begins with 11
+    assert number_support(idx, [0, 1, 2, 3], 3, table, 0) == 0.0  # "2011"
+    assert number_support(idx, [0, 1, 2, 3, 3], 3, table, 0) == 1.0  # "20111"
+    assert number_support(idx, [0, 3, 4], 3, table, 0) == 0.0  # after "." a new number starts: "1"
+    assert math.isnan(number_support(idx, [0, 3], 6, table, 0))  # not a number token
+    assert math.isnan(number_support(idx, [0], 99, table, 0))  # outside the table
+    assert idx.number_prefixes == {(2,), (2, 0), (2, 0, 1), (2, 0, 1, 1), (1,), (1, 0)}
+    assert math.isnan(number_support(idx, [0], 3, table))  # an 11-token prompt has no document (default minimum 64)
+    assert math.isnan(number_support(idx, [0, 3, 3], 3, table, 0, max_digits=2))  # its start is not read
 
 
 def test_canonical_table_digits_are_ids_0_to_9(lm):

@@ -226,3 +226,39 @@ def test_steer_header_and_body_validation(serve):
     assert r.status_code == 400 and r.json()["error"]["param"] == "steer" and "'cad'" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/chat/completions", json={**body, "steer": 3})
     assert r.status_code == 400 and "steer" in r.json()["error"]["message"]
+
+
+def test_unsupported_number_trigger_fires_on_numbers_the_document_lacks(lm, nda_library):
+    """The grounding trigger on the real model: with a document that has no number, every digit the
+    answer writes fires ``unsupported_number`` (and only digits do); with a document that has those
+    numbers, none does. Observe-only requests record the check for calibration."""
+    from sfcl.snapshot.source import canonical_table, is_number
+
+    canon = canonical_table(lm.tokenizer, lm.args.vocab_size)
+    eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2, max_model_len=512))
+    text = ("The Recipient shall hold the Confidential Information in strict confidence, shall use it only for the "
+            "Purpose, and shall not disclose it to any third party without the prior written consent of the "
+            "Discloser. The obligations of this Agreement survive its termination.")
+    ask = "\n\nWhat is the notice period in days?"  # the model answers with a number of days
+    without = chat_ids(lm, "Contract:\n" + text + ask)
+    with_nums = chat_ids(lm, "Contract:\n" + text + " Notice of termination must be given thirty (30) days in advance."
+                         + " Notice of renewal must be given 21 days in advance." + ask)
+    evs = run_to_completion(eng, [(ids, SamplingParams(max_tokens=12, snapshot_mode="triggered"))
+                                  for ids in (without, with_nums)])
+    fired = [[e for e in ev if isinstance(e, SnapshotEvent) and "unsupported_number" in e.triggers] for ev in evs]
+    digits = sum(is_number(canon[lm.tokenizer(e.token, add_special_tokens=False)["input_ids"][0]]) for e in fired[0])
+    assert fired[0] and digits == len(fired[0])  # it fires, on digit tokens only
+    assert not fired[1]  # every number of that answer is in the prompt
+    eng.runner.record_signals = True
+    seen = []
+    inner = eng.runner.execute
+
+    def spy(plan):
+        out = inner(plan)
+        seen.extend((r.token_id, r.record) for r in out.results.values())
+        return out
+    eng.runner.execute = spy
+    run_to_completion(eng, [(without, SamplingParams(max_tokens=12, snapshot_mode="off"))])
+    col = [rec[4] for tok, rec in seen if is_number(canon[tok])]
+    assert col and all(v == 1.0 for v in col)
+    assert all(math.isnan(rec[4]) for tok, rec in seen if not is_number(canon[tok]))

@@ -57,8 +57,8 @@ def test_disabled_triggers_never_fire_and_cutoffs_round_trip():
     cfg = TriggerConfig(enabled=("surprisal_deviation",))
     sig = trigger_signals(torch.tensor([-9.0]), torch.tensor([True]), torch.tensor([0.9]), None, torch.tensor([0.99]),
                           CAL)
-    assert fire(sig, cfg).tolist() == [[False, False, True, False]]
-    assert fire(sig, TriggerConfig()).tolist() == [[True, True, True, True]]
+    assert fire(sig, cfg).tolist() == [[False, False, True, False, False]]
+    assert fire(sig, TriggerConfig()).tolist() == [[True, True, True, True, False]]  # no number column: -inf
     c = TriggerConfig(entity_prob_threshold=0.3, dispersion_z=0.7, surprisal_z=1.5, lookback_threshold=0.8)
     assert TriggerConfig.thresholds_from_cutoffs(c.cutoffs()) == c.thresholds()
 

@@ -61,7 +61,8 @@ from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_
 
 log = logging.getLogger("sfcl.anchors")
 SKIP_POSITIONS = 16  # first positions of a window have too little context to calibrate on
-CALIBRATION_FORMAT = 2  # 2: per-length dispersion table + serving thresholds (part of the default library's cache name)
+CALIBRATION_FORMAT = 3  # 2: per-length dispersion table + serving thresholds; 3: the thresholds leave the
+# unsupported_number trigger its share of the budget (part of the default library's cache name)
 # Instructions of the serving-calibration prompts (generic; not the benchmark's instructions).
 CALIBRATION_INSTRUCTIONS = (
     "What does this passage say? Answer in a few sentences:",
@@ -309,9 +310,11 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     chunks, several per forward up to ``batch_tokens`` tokens, each attending only to itself;
     then decoded together as one batch, as the runner does; a row stops at EOS) with the runner's
     per-token trigger inputs, as ``sfcl.snapshot.calibration.TokenRecords`` (log-probability,
-    entity flag, D3, attended length; no lookback features)."""
+    entity flag, D3, attended length, the unsupported_number check against the prompt; no
+    lookback features)."""
     from sfcl.snapshot.calibration import TokenRecords, records_from_tokens
     from sfcl.snapshot.entity import vocab_class_table
+    from sfcl.snapshot.source import SourceIndex, canonical_table
 
     model = lm.model
     device = next(model.parameters()).device
@@ -356,10 +359,12 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
         logits_t = fo.logits
         disp_t = attention_dispersion(fo.tap_probs[:, :, -1], pos + 1)
     T_, L_, D_ = (torch.stack(x, 1).cpu().tolist() for x in (toks, lps, dps))  # (B, max_new) each
+    canon = canonical_table(lm.tokenizer, lm.args.vocab_size)  # the unsupported_number check, as serving runs it
     parts = []
     for r in range(B):
         n = next((j + 1 for j, t in enumerate(T_[r]) if t in eos), len(T_[r]))  # up to and with EOS
-        parts.append(records_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r])))
+        parts.append(records_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r]),
+                                         source=SourceIndex(prompts[r], canon), canon=canon))
     return TokenRecords.concat(parts)
 
 

@@ -45,7 +45,7 @@ class TextDelta:
 class SnapshotEvent:
     snapshot_id: int  # per-request counter, 0-based; used as the SSE ``id:``
     token_index: int  # generated-token index whose hidden state was looked up
-    trigger: str  # "entity_low_confidence" | "attention_dispersion" | "surprisal_deviation" | "lookback_ratio" | "always"
+    trigger: str  # a TRIGGER_NAMES entry (sfcl.snapshot.triggers) | "always" | "random"
     triggers: list[str]  # every trigger that fired on this token (``trigger`` is the first)
     anchor_id: int  # best anchor
     confidence: float  # in [0, 1], from similarity, weight and decay of the top anchors

@@ -28,6 +28,7 @@ results ride in the step's one transfer, so a step waits on the device once, loo
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import random
 import time
 import zlib
@@ -47,7 +48,7 @@ from sfcl.snapshot.grounding import Grounding, SteerRow
 from sfcl.snapshot.lookback import lookback_ratios
 from sfcl.snapshot.snapshotter import (MODE_ALWAYS, MODE_CODES, MODE_OFF, Binding, SnapshotHit, SnapshotState,
                                        Snapshotter)
-from sfcl.snapshot.triggers import TRIGGER_NAMES, attention_dispersion, fire
+from sfcl.snapshot.triggers import RECORD_NUMBER_COL, TRIGGER_NAMES, attention_dispersion, fire
 
 PREFILL_THREADS_MIN_TOKENS = 64  # a step computing this many prompt tokens runs on prefill_threads
 
@@ -77,7 +78,7 @@ class SeqResult:
     dispersion: float  # snapshot-layer normalised attention entropy of the producing query
     snapshot: SnapshotHit | None  # set when this token was looked up (and the lookup is done)
     pending: PendingSnapshot | None = None  # set when this token's lookup runs overlapped
-    signals: list[float] = field(default_factory=list)  # the 4 trigger signals (TRIGGER_NAMES order), [] without snapshots
+    signals: list[float] = field(default_factory=list)  # the 5 trigger signals (TRIGGER_NAMES order), [] without snapshots
     record: list[float] | None = None  # ModelRunner(record_signals=True): StepSignals.record columns
 
 
@@ -247,8 +248,10 @@ class ModelRunner:
             out.prefill_tokens += ch.end - ch.start
             if ch.is_last:
                 self.state.reset(seq.slot)
-                if "source" in seq.params.steer and self.grounding is not None:
-                    self.grounding.prepare(seq.request_id, seq.prompt_ids)  # the source index, built at prefill
+                if self.grounding is not None and self.snapshotter is not None and (  # the source index, at prefill:
+                        "source" in seq.params.steer  # source steering, and the unsupported_number trigger
+                        or len(seq.prompt_ids) >= self.grounding.cfg.min_source_tokens):
+                    self.grounding.prepare(seq.request_id, seq.prompt_ids)
                 seqs.append(seq)
                 sample_index.append(len(ids) - 1)
                 n_valid.append(ch.end)
@@ -296,7 +299,7 @@ class ModelRunner:
                                    slots[ix], self.state, natt_t[ix])
             sig[ix], fired[ix], has_snap[ix] = ss.signals, fire(ss.signals, snap.cfg), True
             if self.record_signals:
-                r_ = ss.record(tok_logp[ix], natt_t[ix])  # (n, 4 + F)
+                r_ = ss.record(tok_logp[ix], natt_t[ix])  # (n, 5 + F)
                 if rec is None:
                     rec = torch.full((len(seqs), r_.shape[1]), float("nan"), dtype=torch.float64, device=self.device)
                 rec[ix] = r_
@@ -322,6 +325,8 @@ class ModelRunner:
             rows = fused.rows
         else:
             rows = self._to_host(packed).tolist()  # the step's one device->host transfer
+        if self.grounding is not None:
+            self._number_trigger(seqs, binds, rows)
         out.forward_ms = (time.perf_counter() - t0) * 1e3
         hits: dict[int, SnapshotHit] = {}
         pending: dict[int, PendingSnapshot] = {}
@@ -335,6 +340,32 @@ class ModelRunner:
                 pending=pending.get(i), signals=r[5 + K:5 + 2 * K] if binds[i] is not None else [],
                 record=r[5 + 2 * K:] if len(r) > 5 + 2 * K else None)
         return out
+
+    def _number_trigger(self, seqs: list[Sequence], binds: list[Binding | None], rows: list[list]) -> None:
+        """The ``unsupported_number`` trigger, on the host after the step's transfer (it needs the
+        sampled token and the request's source index, ``Grounding.number_signal``): fills in its
+        signal (and the recorded column) of every row with snapshots, and for ``triggered`` and
+        ``always`` rows where it fires (``triggers.fire``, the one rule) sets the row's fired and
+        lookup flags (the device's rule: fired flags in every mode but ``off``; random-trigger rows
+        fire nothing but their draw).
+        Rows hold [token, logprob, entropy, dispersion, lookup, fired (K), signals (K), record...].
+        A list lookup per row for tokens that are not digits."""
+        K = len(TRIGGER_NAMES)
+        k = TRIGGER_NAMES.index("unsupported_number")
+        g = self.grounding
+        for i, (seq, r) in enumerate(zip(seqs, rows)):
+            if binds[i] is None:
+                continue
+            v = g.number_signal(seq.request_id, seq.output_ids, int(r[0]))
+            if math.isnan(v):
+                continue
+            r[5 + K + k] = v
+            if len(r) > 5 + 2 * K + RECORD_NUMBER_COL:
+                r[5 + 2 * K + RECORD_NUMBER_COL] = v
+            if seq.params.snapshot_mode != "off" and not seq.params.random_trigger > 0 \
+                    and bool(fire(torch.tensor([r[5 + K:5 + 2 * K]]), binds[i].snap.cfg)[0, k]):
+                r[5 + k] = 1.0
+                r[4] = 1.0
 
     def _random_draw(self, seq: Sequence) -> bool:
         """One Bernoulli(``random_trigger``) draw for ``seq`` (seeded by its request id, so a run

@@ -49,7 +49,7 @@ from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration, TriggerConfig, di
 class CalibrationRun:
     entries: dict  # manifest ``calibration`` entries (thresholds, dispersion_by_length, lookback, ...)
     report: dict  # figures for calibration.json / eval.json
-    signals: torch.Tensor  # (n, 4) trigger signals of the recorded tokens under the new calibration
+    signals: torch.Tensor  # (n, 5) trigger signals of the recorded tokens under the new calibration
     cal: Calibration  # the new signal statistics
     groups: list  # (n,) the document of each recorded token
     models: dict = field(default_factory=dict)  # lookback fits by feature subset (the kept one is in entries)
@@ -98,7 +98,7 @@ def calibrate(eng, library, items, target: float = DEFAULT_TARGET, desc: str = "
             model = max(scored, key=lambda m: m.training["cv_auroc_by_document"])
             model.training["compared"] = {k: m.training["cv_auroc_by_document"] for k, m in fits.items()}
     signals = recs_all.signals(cal, model)
-    enabled, aurocs = select_triggers(signals, y > 0, TRIGGER_NAMES,  # all four: a recalibration judges each anew
+    enabled, aurocs = select_triggers(signals, y > 0, TRIGGER_NAMES,  # all five: a recalibration judges each anew
                                       model.training["cv_auroc_by_document"] if model is not None else None)
     res = calibrate_thresholds(signals, cal, target, enabled, snap.cfg.dispersion_window, groups=groups.tolist())
     default = trigger_shares(signals, TriggerConfig())

@@ -1,6 +1,6 @@
 """Detection metrics: do the triggers fire on the tokens of unsupported entities?
 
-Input: the greedy answers of one arm with, per generated token, the four trigger signals the
+Input: the greedy answers of one arm with, per generated token, the five trigger signals the
 runner computed (``SeqResult.signals``) and the labels of ``sfcl.eval.labels``. Which tokens fire
 is ``sfcl.snapshot.triggers.fire`` on those signals - serving's rule, not a re-derivation.
 
@@ -33,10 +33,10 @@ from sfcl.snapshot.triggers import TRIGGER_NAMES, TriggerConfig, fire
 
 @dataclass(slots=True)
 class AnswerSignals:
-    """One answer: its document, per-token signals (n, 4) and labels."""
+    """One answer: its document, per-token signals (n, K) and labels (K = len(TRIGGER_NAMES))."""
 
     doc_id: str
-    signals: np.ndarray  # (n, 4) float, TRIGGER_NAMES order
+    signals: np.ndarray  # (n, K) float, TRIGGER_NAMES order
     labels: AnswerLabels
     confidence: np.ndarray | None = None  # (n,) snapshot confidence per token (always arm), NaN where none
     extra: dict = field(default_factory=dict)  # name -> (n,) more per-token risk scores to report AUROC for
@@ -51,14 +51,15 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
         raise ValueError("no answers to measure detection on")
     docs = np.array(sorted({a.doc_id for a in answers}))
     tok_doc, ent_doc = [], []
-    S, F, Y, C = [], [], [], []  # per answer: signals (n, 4), fired (n, 5: 4 + union), labels, confidence
+    K = len(TRIGGER_NAMES)
+    S, F, Y, C = [], [], [], []  # per answer: signals (n, K), fired (n, K + 1: K + union), labels, confidence
     X: dict[str, list] = {k: [] for a in answers for k in a.extra}  # extra scores
-    ent_len, ent_fired = [], []  # per unsupported entity: token count, fired (5,) within its tokens
+    ent_len, ent_fired = [], []  # per unsupported entity: token count, fired (K + 1,) within its tokens
     for a in answers:
-        s = np.asarray(a.signals, np.float64).reshape(-1, len(TRIGGER_NAMES))
+        s = np.asarray(a.signals, np.float64).reshape(-1, K)
         n = min(len(a.labels.token_unsupported), len(s))
-        f = fire(torch.from_numpy(s[:n]).float(), cfg).numpy()  # (n, 4)
-        f = np.concatenate([f, f.any(1, keepdims=True)], 1)  # (n, 5)
+        f = fire(torch.from_numpy(s[:n]).float(), cfg).numpy()  # (n, K)
+        f = np.concatenate([f, f.any(1, keepdims=True)], 1)  # (n, K + 1)
         S.append(s[:n])
         F.append(f)
         Y.append(np.asarray(a.labels.token_unsupported[:n], bool))
@@ -74,7 +75,7 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
                 ent_doc.append(a.doc_id)
     S, F, Y, C = np.concatenate(S), np.concatenate(F), np.concatenate(Y), np.concatenate(C)
     tok_doc, ent_doc = np.array(tok_doc), np.array(ent_doc)
-    E = np.array(ent_fired, bool).reshape(-1, 5)
+    E = np.array(ent_fired, bool).reshape(-1, K + 1)
     L = np.array(ent_len, np.float64)
     idx = stats.bootstrap_indices(len(docs), reps, seed)
     names = list(TRIGGER_NAMES) + ["union"]
@@ -93,7 +94,7 @@ def detection(answers: list[AnswerSignals], cfg: TriggerConfig, reps: int = 1000
             "precision": stats.estimate(lambda i: R(hit_t, fired_t, i), idx),
             "fire_rate": stats.estimate(lambda i: R(fired_t, ones_t, i), idx),
             "fired_tokens": int(F[:, j].sum()), "caught_entities": int(E[:, j].sum()) if len(L) else 0}
-    rate = float(F[:, 4].mean()) if len(F) else 0.0
+    rate = float(F[:, K].mean()) if len(F) else 0.0
     exp_caught = stats.cluster_sums(1.0 - (1.0 - rate) ** L, ent_doc, docs) if len(L) else np.zeros(len(docs))
     out["random_control"] = {"rate": rate, "recall": stats.estimate(lambda i: R(exp_caught, ones_e, i), idx),
                              "precision": stats.estimate(lambda i: R(y_t, ones_t, i), idx)}

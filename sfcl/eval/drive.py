@@ -65,7 +65,7 @@ class Record:
     error: str | None = None
     snapshots: list[Snap] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # generated ids (filled from a TokenRecorder)
-    signals: list[list[float]] = field(default_factory=list)  # per token: the 4 trigger signals
+    signals: list[list[float]] = field(default_factory=list)  # per token: the trigger signals (TRIGGER_NAMES order)
     records: list[list[float]] = field(default_factory=list)  # per token: StepSignals.record columns
 
     @property

@@ -335,7 +335,7 @@ def run_eval(a: EvalConfig) -> int:
     from sfcl.eval.labels import label_answer
     from sfcl.snapshot.calibration import MIN_TRIGGER_AUROC, write_library
     from sfcl.snapshot.lookback import LookbackModel
-    from sfcl.snapshot.triggers import TriggerConfig
+    from sfcl.snapshot.triggers import RECORD_FEATURES_AT, TriggerConfig
 
     arms = parse_arms(a.arms)
     if a.questions_per_doc < 0 or a.max_tokens < 1 or a.bootstrap < 1:
@@ -414,9 +414,9 @@ def run_eval(a: EvalConfig) -> int:
         fits = calib.models if calib is not None else {}
 
         def extra(r: Record) -> dict:  # every trained lookback model's score, for the AUROC comparison
-            if not fits or not r.records or len(r.records[0]) <= 4:
+            if not fits or not r.records or len(r.records[0]) <= RECORD_FEATURES_AT:
                 return {}
-            x = torch.tensor([row[4:] for row in r.records], dtype=torch.float32)
+            x = torch.tensor([row[RECORD_FEATURES_AT:] for row in r.records], dtype=torch.float32)
             return {f"lookback model ({k})": m.score(x).numpy() for k, m in fits.items()}
 
         answers = [AnswerSignals(it.meta["question"].doc_id, np.asarray(r.signals, np.float64),

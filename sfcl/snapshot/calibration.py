@@ -19,7 +19,9 @@ bisection so that the union (a token that fires several triggers is looked up on
 tokens inside entity spans (a larger q leaves it at threshold 1.0 and the others take up the
 rest); the surprisal trigger's |z| cutoff stays >= mean/std so that only *surprising* tokens fire
 it (below that, the near-certain tokens that make up most of a greedy answer would, since their z
-is about -mean/std); the lookback probability cutoff stays in (0, 1).
+is about -mean/std); the lookback probability cutoff stays in (0, 1). The ``unsupported_number``
+trigger has no threshold (it fires on a number the prompt lacks): it takes the share it fires on in
+the recorded answers, and q shares out what remains of the target among the others.
 
 Unseen documents: answers about one document resemble each other, so a rate met on average over
 the calibration documents is missed on others about as often as not. Given each token's document,
@@ -52,7 +54,9 @@ import torch
 
 from sfcl.snapshot import entity
 from sfcl.snapshot.lookback import LookbackModel
-from sfcl.snapshot.triggers import TRIGGER_NAMES, Calibration, TriggerConfig, fire, trigger_signals, window_mean
+from sfcl.snapshot.source import number_support
+from sfcl.snapshot.triggers import (RECORD_FEATURES_AT, RECORD_NUMBER_COL, TRIGGER_NAMES, Calibration, TriggerConfig, fire,
+                                   trigger_signals, window_mean)
 
 DEFAULT_TARGET = 1.0 / 16.0
 DEFAULT_QUANTILE = 0.95  # of the union share over document resamples, set to the target
@@ -67,22 +71,26 @@ class TokenRecords:
     token_logp: float64 model log-probability (nats); in_entity: bool; d3: float64 windowed
     dispersion, NaN before the window is full; n_attended: float64 positions attended by the
     producing query; features: (n, F) float64 lookback features (``sfcl.snapshot.lookback``) or
-    None. Raises ValueError for mismatched shapes or no rows."""
+    None; number: float64 ``unsupported_number`` signal (1.0 / 0.0 on number tokens, NaN elsewhere;
+    None: all NaN). Raises ValueError for mismatched shapes or no rows."""
 
     token_logp: np.ndarray
     in_entity: np.ndarray
     d3: np.ndarray
     n_attended: np.ndarray
     features: np.ndarray | None = None
+    number: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.token_logp = np.asarray(self.token_logp, np.float64)
         self.in_entity = np.asarray(self.in_entity, bool)
         self.d3 = np.asarray(self.d3, np.float64)
         self.n_attended = np.asarray(self.n_attended, np.float64)
+        self.number = np.full(self.token_logp.shape, np.nan) if self.number is None else np.asarray(self.number, np.float64)
         n = self.token_logp.shape
-        if self.token_logp.ndim != 1 or not (self.in_entity.shape == self.d3.shape == self.n_attended.shape == n):
-            raise ValueError("token_logp, in_entity, d3 and n_attended must be 1-D arrays of one length")
+        if self.token_logp.ndim != 1 or not (self.in_entity.shape == self.d3.shape == self.n_attended.shape
+                                             == self.number.shape == n):
+            raise ValueError("token_logp, in_entity, d3, n_attended and number must be 1-D arrays of one length")
         if self.features is not None:
             self.features = np.asarray(self.features, np.float64)
             if self.features.ndim != 2 or self.features.shape[0] != n[0]:
@@ -96,40 +104,49 @@ class TokenRecords:
 
     @classmethod
     def from_rows(cls, rows: list[list[float]]) -> "TokenRecords":
-        """From ``SeqResult.record`` rows (token logprob, in_entity, d3, n_attended, features...)."""
+        """From ``SeqResult.record`` rows (token logprob, in_entity, d3, n_attended, number check,
+        features...; ``triggers.RECORD_FEATURES_AT``)."""
         a = np.asarray(rows, np.float64).reshape(len(rows), -1)
-        return cls(a[:, 0], a[:, 1] > 0.5, a[:, 2], a[:, 3], a[:, 4:] if a.shape[1] > 4 else None)
+        f = RECORD_FEATURES_AT
+        return cls(a[:, 0], a[:, 1] > 0.5, a[:, 2], a[:, 3], a[:, f:] if a.shape[1] > f else None, a[:, RECORD_NUMBER_COL])
 
     @classmethod
     def concat(cls, parts: list["TokenRecords"]) -> "TokenRecords":
         feats = [p.features for p in parts]
         return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("token_logp", "in_entity", "d3", "n_attended")),
-                   np.concatenate(feats) if all(f is not None for f in feats) else None)
+                   np.concatenate(feats) if all(f is not None for f in feats) else None,
+                   np.concatenate([p.number for p in parts]))
 
     def signals(self, cal: Calibration, lookback: LookbackModel | None = None) -> torch.Tensor:
-        """(n, 4) float32 trigger signals (``triggers.trigger_signals``; the lookback probability
+        """(n, 5) float32 trigger signals (``triggers.trigger_signals``; the lookback probability
         from ``lookback.score`` when both a model and features are present)."""
         lp = torch.from_numpy(self.token_logp).float()
         lb = None
         if lookback is not None and self.features is not None:
             lb = lookback.score(torch.from_numpy(self.features).float())
         return trigger_signals(lp, torch.from_numpy(self.in_entity), torch.from_numpy(self.d3).float(),
-                               torch.from_numpy(np.nan_to_num(self.n_attended, nan=0.0)).long(), lb, cal)
+                               torch.from_numpy(np.nan_to_num(self.n_attended, nan=0.0)).long(), lb, cal,
+                               torch.from_numpy(self.number).float())
 
 
 def records_from_tokens(tokens: list[int], logprobs: list[float], dispersion: list[float], classes: list[int],
-                        window: int = 3, prompt_len: int = 0) -> TokenRecords:
+                        window: int = 3, prompt_len: int = 0, source=None, canon: list | None = None) -> TokenRecords:
     """Records of one generated sequence from a decode loop that is not the runner's (the
-    builder's): the entity rule (``entity.span_states``, from a sentence end) and the window
-    rule (``triggers.window_mean``) of serving; the i-th token (0-based) came from a query
-    attending prompt_len + i positions. classes: class bits per token id."""
+    builder's): the entity rule (``entity.span_states``, from a sentence end), the window
+    rule (``triggers.window_mean``) and, given the prompt's ``source.SourceIndex`` and the
+    ``canonical_table`` ``canon``, the number check (``source.number_support``) of serving; the
+    i-th token (0-based) came from a query attending prompt_len + i positions. classes: class bits
+    per token id."""
     n = len(tokens)
     states = entity.span_states(tokens, classes)
     d = torch.tensor(dispersion, dtype=torch.float32)
     hist = torch.cat([torch.zeros(window - 1), d]).unfold(0, window, 1)  # (n, window): the runner's window, newest last
     d3 = window_mean(hist, torch.arange(1, n + 1).clamp_max(window), window)
+    number = None
+    if source is not None and canon:
+        number = [number_support(source, tokens[:i], t, canon) for i, t in enumerate(tokens)]
     return TokenRecords(logprobs, [bool(s & entity.IN_ENTITY) for s in states], d3.double().numpy(),
-                        prompt_len + np.arange(n, dtype=np.float64))
+                        prompt_len + np.arange(n, dtype=np.float64), number=number)
 
 
 def trigger_shares(signals: torch.Tensor, cfg: TriggerConfig) -> dict:
@@ -197,7 +214,7 @@ def calibrate_thresholds(signals: torch.Tensor, cal: Calibration, target: float 
     non-decreasing in q) so that the union fires on ``target`` of the tokens - or, with
     ``groups`` (the document of each token), so that the ``quantile`` of the union share over
     document resamples is ``target``: thresholds meant to hold on unseen documents keep a margin
-    for how much documents differ. signals: (n, 4) ``TokenRecords.signals``. Raises ValueError
+    for how much documents differ. signals: (n, 5) ``TokenRecords.signals``. Raises ValueError
     when target is not in (0, 1) or groups has the wrong length."""
     if not 0.0 < target < 1.0:
         raise ValueError("target rate must be in (0, 1)")
@@ -251,7 +268,7 @@ def select_triggers(signals: torch.Tensor, unsupported: np.ndarray, enabled=TRIG
                     lookback_cv_auroc: float | None = None,
                     min_auroc: float = MIN_TRIGGER_AUROC) -> tuple[tuple[str, ...], dict]:
     """The triggers of ``enabled`` that get a share of the lookup budget: those whose signal
-    (column of ``signals`` (n, 4), ``TokenRecords.signals``) has AUROC >= ``min_auroc`` for
+    (column of ``signals`` (n, 5), ``TokenRecords.signals``) has AUROC >= ``min_auroc`` for
     ``unsupported`` (n,) bool = "this token belongs to an entity the source does not support".
     The lookback trigger is judged by ``lookback_cv_auroc`` (its model's cross-validated figure,
     grouped by document) when given. Returns (kept names in TRIGGER_NAMES order, {name: AUROC or

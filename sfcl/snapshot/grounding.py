@@ -33,7 +33,7 @@ from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
 from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_run, canonical_table, is_number,
-                                  repeats_ngram)
+                                  marked, number_support, repeats_ngram)
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 
@@ -82,9 +82,19 @@ class Grounding:
                    ContextFreeSequences(lm.model, lm.args, n_slots, side_len, dtype, device))
 
     def prepare(self, request_id: str, prompt_ids: list[int]) -> None:
-        """Build the request's source index (once; the runner calls it at the prompt's last chunk)."""
+        """Build the request's source index (once; the runner calls it at the prompt's last chunk of
+        every request with snapshots: the ``unsupported_number`` trigger reads it too)."""
         if request_id not in self.indexes:
             self.indexes[request_id] = SourceIndex(prompt_ids, self.canon)
+
+    def number_signal(self, request_id: str, output_ids: list[int], token: int) -> float:
+        """The ``unsupported_number`` trigger's signal for ``token`` sampled after ``output_ids``
+        (``sfcl.snapshot.source.number_support``): 1.0 / 0.0 on number tokens; NaN on other tokens,
+        without a source index, or when the prompt is shorter than ``min_source_tokens``."""
+        idx = self.indexes.get(request_id)
+        if idx is None or not self.canon:
+            return math.nan
+        return number_support(idx, output_ids, token, self.canon, self.cfg.min_source_tokens)
 
     def release(self, request_id: str) -> None:
         self.indexes.pop(request_id, None)
@@ -171,14 +181,8 @@ class Grounding:
         hist = hist[-(cap + 1):]
         prev_num = bool(r.output_ids) and is_number(self.canon[r.output_ids[-1]])
 
-        def ids_of(c: int) -> list[int]:  # canonical ids candidate c adds to the run
-            cc = list(self.canon[c])
-            if is_number(self.canon[c]):
-                return cc if prev_num else [NUM_START] + cc
-            return ([NUM_END] if prev_num else []) + cc
-
         def support(c: int) -> tuple[bool, int, int]:
-            cc = ids_of(c)
+            cc = marked(self.canon[c], prev_num)  # the canonical ids candidate c adds to the run
             if not cc:  # punctuation: as supported as the entity run it continues
                 n, end = idx.longest_suffix(hist, cap) if run else (0, -1)
                 return n >= run, n, end

@@ -106,15 +106,17 @@ class SnapshotState:
 class StepSignals:
     """Per-row trigger inputs and signals of one step (device tensors, B rows)."""
 
-    signals: torch.Tensor  # (B, 4) float32 ``trigger_signals`` (fire: ``triggers.fire``)
+    signals: torch.Tensor  # (B, 5) float32 ``trigger_signals`` (fire: ``triggers.fire``; the number column is -inf)
     in_entity: torch.Tensor  # (B,) bool
     d3: torch.Tensor  # (B,) float32 windowed dispersion, NaN before the window is full
     features: torch.Tensor | None  # (B, F) float32 lookback features (None without lookback ratios)
 
     def record(self, token_logp: torch.Tensor, n_attended: torch.Tensor) -> torch.Tensor:
-        """(B, 4 + F) float64 columns a calibration replays (``sfcl.snapshot.calibration.TokenRecords``):
-        token logprob, in_entity, d3, n_attended, then the lookback features."""
-        cols = [token_logp.double(), self.in_entity.double(), self.d3.double(), n_attended.double()]
+        """(B, 5 + F) float64 columns a calibration replays (``sfcl.snapshot.calibration.TokenRecords``;
+        ``triggers.RECORD_FEATURES_AT``): token logprob, in_entity, d3, n_attended, the number check
+        (NaN here: the runner fills it in on the host), then the lookback features."""
+        cols = [token_logp.double(), self.in_entity.double(), self.d3.double(), n_attended.double(),
+                torch.full_like(token_logp, float("nan"), dtype=torch.float64)]
         f = [] if self.features is None else [self.features.double()]
         return torch.cat([torch.stack(cols, 1)] + f, 1)
 
@@ -202,7 +204,7 @@ class Snapshotter:
             mean = lbh.sum(1) / cnt.float()[:, None]  # (B, nh) over the tokens seen so far (<= w)
             feats = features(ratios, mean, in_entity, -token_logp)  # (B, F)
             lb_p = self.lookback.score(feats) if self.lookback is not None else None
-        sig = trigger_signals(token_logp, in_entity, d3, n_attended, lb_p, self.cal)  # (B, 4)
+        sig = trigger_signals(token_logp, in_entity, d3, n_attended, lb_p, self.cal)  # (B, 5), number column -inf
         return StepSignals(signals=sig, in_entity=in_entity, d3=d3, features=feats)
 
     def retoken(self, tokens: torch.Tensor, slots: torch.Tensor, state: SnapshotState) -> None:

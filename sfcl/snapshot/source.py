@@ -31,11 +31,17 @@ prompt number (the run + ``NUM_END`` occurs).
 Supported candidates are re-ranked by log p(c) + span_bonus * min(L(c), bonus_cap): the one that
 continues the longer span of the document wins unless the model finds it much less likely.
 
+The same index answers the ``unsupported_number`` trigger (``number_support``): does the number the
+sampled token ends, as written so far, begin a number of the prompt? It is asked of every sampled
+number token of a request with snapshots (a list lookup for other tokens), so the runner builds the
+index at prefill for every such request, not only for those that steer.
+
 Pure Python on the host (engine thread); built per request, dropped when it ends.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -55,11 +61,20 @@ def canonical_form(text: str) -> str:
 
 
 NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
+MIN_SOURCE_TOKENS = 64  # below this many prompt tokens there is no document: the number check stays silent
 
 
 def is_number(ids: tuple[int, ...]) -> bool:
     """Do these canonical ids spell (part of) a number? Canonical ids 0-9 are the digits."""
     return bool(ids) and all(0 <= c <= 9 for c in ids)
+
+
+def marked(ids: tuple[int, ...], prev_num: bool) -> list[int]:
+    """The canonical ids one token adds to a run (``canonical_run``'s marker rule): its ``ids``,
+    after ``NUM_END`` when it ends a number (the previous token was a number token, ``prev_num``,
+    and it is not) and after ``NUM_START`` when it starts one."""
+    num = is_number(ids)
+    return ([NUM_END] if prev_num and not num else []) + ([NUM_START] if num and not prev_num else []) + list(ids)
 
 
 def canonical_run(token_ids: list[int], table: list[tuple[int, ...]], closed: bool = True) -> tuple[list[int], list[int]]:
@@ -74,16 +89,10 @@ def canonical_run(token_ids: list[int], table: list[tuple[int, ...]], closed: bo
     prev_num = False
     for p, t in enumerate(token_ids):
         ids = table[t] if 0 <= t < len(table) else ()
-        num = is_number(ids)
-        if prev_num and not num:
-            seq.append(NUM_END)
-            src.append(p - 1)
-        if num and not prev_num:
-            seq.append(NUM_START)
-            src.append(p)
-        seq.extend(ids)
-        src.extend([p] * len(ids))
-        prev_num = num
+        add = marked(ids, prev_num)
+        seq.extend(add)
+        src.extend(p - 1 if c == NUM_END else p for c in add)  # NUM_END belongs to the number it closes
+        prev_num = is_number(ids)
     if closed and prev_num:
         seq.append(NUM_END)
         src.append(len(token_ids) - 1)
@@ -114,12 +123,13 @@ class SourceConfig:
     copy_cap: int = 32  # a promoted candidate must not make the answer copy more than this many tokens
     span_bonus: float = 1.0  # re-rank bonus, nats per token of the prompt span a candidate extends
     bonus_cap: int = 8  # ... counted up to this many tokens
+    min_source_tokens: int = MIN_SOURCE_TOKENS  # the unsupported_number trigger is silent on shorter prompts
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or not 0.0 < self.min_ratio <= 1.0 or self.ngram < 2 or self.copy_cap < 1 \
-                or self.span_bonus < 0 or self.bonus_cap < 0:
+                or self.span_bonus < 0 or self.bonus_cap < 0 or self.min_source_tokens < 0:
             raise ValueError("source steering: top_k >= 1, min_ratio in (0, 1], ngram >= 2, copy_cap >= 1, "
-                             "span_bonus >= 0, bonus_cap >= 0")
+                             "span_bonus >= 0, bonus_cap >= 0, min_source_tokens >= 0")
 
 
 class SourceIndex:
@@ -130,10 +140,20 @@ class SourceIndex:
     (a few ms per 6,000 prompt tokens)."""
 
     def __init__(self, prompt_ids: list[int], table: list[tuple[int, ...]]):
+        self.n_prompt = len(prompt_ids)
         self.seq, self.where = canonical_run(prompt_ids, table)  # canonical ids; the prompt position of each
         self.occ: dict[int, list[int]] = {}  # canonical id -> indexes into seq
+        self.number_prefixes: set[tuple[int, ...]] = set()  # every prefix of every prompt number (digit tuples)
+        num: list[int] | None = None
         for j, c in enumerate(self.seq):
             self.occ.setdefault(c, []).append(j)
+            if c == NUM_START:
+                num = []
+            elif c == NUM_END:
+                num = None
+            elif num is not None:
+                num.append(c)
+                self.number_prefixes.add(tuple(num))
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -167,3 +187,34 @@ def repeats_ngram(output_ids: list[int], candidate: int, n: int) -> bool:
         return False
     gram = tuple(output_ids[len(output_ids) - n + 1:]) + (candidate,)
     return any(tuple(output_ids[i:i + n]) == gram for i in range(len(output_ids) - n + 1))
+
+
+def number_support(index: SourceIndex, output_ids: list[int], token: int, table: list[tuple[int, ...]],
+                   min_source_tokens: int = MIN_SOURCE_TOKENS, max_digits: int = 32) -> float:
+    """The ``unsupported_number`` trigger's signal (``sfcl.snapshot.triggers``) for a sampled token.
+
+    output_ids: the answer's tokens before ``token``; table: ``canonical_table`` (number tokens are
+    digits and number words: " thirty" is 3, 0). The number the token ends is the answer's trailing
+    run of number tokens plus the token (canonical digits, ``canonical_run``'s boundaries:
+    punctuation and white space end a number). Returns 1.0 when that number begins no number of the
+    prompt (its digits are not in ``index.number_prefixes``), 0.0 when it does, NaN when ``token``
+    is not a number token, when the prompt has fewer than ``min_source_tokens`` tokens (no document
+    to ground in), or when the number runs past ``max_digits`` digits (its start is not read).
+    Host ints only: one set lookup after reading back the number's tokens."""
+    ids = table[token] if 0 <= token < len(table) else ()
+    if not is_number(ids) or index.n_prompt < min_source_tokens:
+        return math.nan
+    run = list(ids)
+    j = len(output_ids) - 1
+    while j >= 0:
+        t = output_ids[j]
+        prev = table[t] if 0 <= t < len(table) else ()
+        if not is_number(prev):
+            break
+        if len(run) + len(prev) > max_digits:
+            return math.nan
+        run[:0] = prev
+        j -= 1
+    if len(run) > max_digits:
+        return math.nan
+    return 0.0 if tuple(run) in index.number_prefixes else 1.0

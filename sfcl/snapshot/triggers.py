@@ -28,11 +28,23 @@ Triggers (defaults from the source design where it gives one, ``docs/SEED.md``):
    logistic regression over the snapshot layer's per-head lookback ratios (Lookback Lens, Chuang
    et al. 2024; ``sfcl.snapshot.lookback``), above 0.5. Fires only when the library carries a
    trained model (``calibration.lookback``).
+5. ``unsupported_number``: a grounding check, not a model signal: the token is a digit of a number
+   that, as written so far, begins no number of the prompt (``sfcl.snapshot.source.number_support``:
+   "1" then "2" of "12 months" fires on the "2" when the document has 10 and 1 but no number
+   starting with 12). Signal 1.0 (fires) or 0.0 on number tokens, -inf elsewhere; computed on the
+   host from the sampled token and the request's ``SourceIndex`` (built at prefill for every
+   request with snapshots; silent below ``SourceConfig.min_source_tokens`` prompt tokens, where
+   there is no document), so the device never computes it (its column is -inf there) and the
+   runner fills it in after the step's transfer. No threshold to calibrate: it takes the share of
+   the lookup budget it needs and the calibration splits the rest (``sfcl.snapshot.calibration``).
+   Why: on the dev NDAs almost every unsupported entity is a number (clause numbers, periods,
+   dates), and the model signals above catch about three in four of them (docs/fidelity.md).
 
-One rule for all four: every trigger reads one *signal* oriented so that it fires when
+One rule for all five: every trigger reads one *signal* oriented so that it fires when
 ``signal > cutoff`` (``trigger_signals``, ``fire``): -p inside entity spans (-inf outside), the
 dispersion z-score (-inf before the window is full), |surprisal z|, the lookback probability
-(-inf without a model). ``TriggerConfig.cutoffs`` maps the stored thresholds onto that scale.
+(-inf without a model), the number check. ``TriggerConfig.cutoffs`` maps the stored thresholds onto
+that scale.
 
 The thresholds can be recalibrated per library (``calibration.thresholds``, written by the
 builder's serving calibration and by ``sfcl anchors calibrate``; ``TriggerConfig.from_calibration``).
@@ -46,8 +58,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-TRIGGER_NAMES = ("entity_low_confidence", "attention_dispersion", "surprisal_deviation", "lookback_ratio")
+TRIGGER_NAMES = ("entity_low_confidence", "attention_dispersion", "surprisal_deviation", "lookback_ratio",
+                 "unsupported_number")
 THRESHOLD_KEYS = ("entity_prob_threshold", "dispersion_z", "surprisal_z", "lookback_threshold")  # TRIGGER_NAMES order
+NUMBER_CUTOFF = 0.5  # unsupported_number: signal 1.0 fires, 0.0 (a number the prompt has) does not
+# columns of a recorded token (``StepSignals.record`` -> ``calibration.TokenRecords``): token logprob,
+# in_entity, d3, n_attended, the number check (filled in on the host), then the lookback features
+RECORD_NUMBER_COL, RECORD_FEATURES_AT = 4, 5
 
 
 @dataclass(slots=True)
@@ -72,9 +89,9 @@ class TriggerConfig:
         if bad:
             raise ValueError(f"unknown trigger(s) {sorted(bad)}; known: {', '.join(TRIGGER_NAMES)}")
 
-    def cutoffs(self) -> tuple[float, float, float, float]:
+    def cutoffs(self) -> tuple[float, float, float, float, float]:
         """Cutoffs on the ``trigger_signals`` scale, TRIGGER_NAMES order (fire: signal > cutoff)."""
-        return (-self.entity_prob_threshold, self.dispersion_z, self.surprisal_z, self.lookback_threshold)
+        return (-self.entity_prob_threshold, self.dispersion_z, self.surprisal_z, self.lookback_threshold, NUMBER_CUTOFF)
 
     def thresholds(self) -> dict[str, float]:
         """The four thresholds as stored in a manifest's ``calibration.thresholds``."""
@@ -82,7 +99,8 @@ class TriggerConfig:
 
     @staticmethod
     def thresholds_from_cutoffs(cutoffs) -> dict[str, float]:
-        """Inverse of ``cutoffs``: {threshold key: value} for cutoffs in TRIGGER_NAMES order."""
+        """Inverse of ``cutoffs``: {threshold key: value} for cutoffs in TRIGGER_NAMES order (the
+        number check's fixed cutoff, if given, is not a threshold)."""
         c = [float(x) for x in cutoffs]
         return {"entity_prob_threshold": -c[0], "dispersion_z": c[1], "surprisal_z": c[2], "lookback_threshold": c[3]}
 
@@ -91,7 +109,7 @@ class TriggerConfig:
         """Defaults overridden by ``calibration["thresholds"]`` of a library manifest (written by
         ``sfcl anchors calibrate``) and, when present, ``calibration["enabled_triggers"]`` (the
         triggers whose signal separated unsupported-entity tokens on the calibration answers,
-        ``sfcl.snapshot.calibration.select_triggers``; absent: all four). Raises ValueError on
+        ``sfcl.snapshot.calibration.select_triggers``; absent: all five). Raises ValueError on
         unknown keys or names and out-of-range values."""
         if not isinstance(calibration or {}, dict):
             raise ValueError(f"anchor library calibration must be an object, got {type(calibration).__name__}")
@@ -225,16 +243,19 @@ def attention_dispersion(probs: torch.Tensor, n_valid: torch.Tensor) -> torch.Te
 
 
 def trigger_signals(token_logp: torch.Tensor, in_entity: torch.Tensor, d3: torch.Tensor,
-                    n_attended: torch.Tensor | None, lookback_p: torch.Tensor | None, cal: Calibration) -> torch.Tensor:
-    """The four trigger signals, oriented so that each trigger fires when its signal exceeds its
+                    n_attended: torch.Tensor | None, lookback_p: torch.Tensor | None, cal: Calibration,
+                    number: torch.Tensor | None = None) -> torch.Tensor:
+    """The five trigger signals, oriented so that each trigger fires when its signal exceeds its
     cutoff (``fire``).
 
     token_logp (B,) float32 model log-probability of the token (nats); in_entity (B,) bool;
     d3 (B,) float32 windowed dispersion, NaN where the window is not full yet; n_attended (B,)
     int64 positions attended by the producing query (None: the library's flat statistics);
-    lookback_p (B,) float32 lookback-model probability (None: no model). Returns (B, 4) float32,
-    TRIGGER_NAMES order: [-p inside entity spans else -inf, (D3 - mu(n)) / sigma(n) else -inf,
-    |surprisal z|, lookback probability else -inf].
+    lookback_p (B,) float32 lookback-model probability (None: no model); number (B,) float32
+    ``source.number_support`` value (1.0 unsupported, 0.0 supported, NaN not a number token or no
+    source; None: not known here - the runner fills the column in on the host). Returns (B, 5)
+    float32, TRIGGER_NAMES order: [-p inside entity spans else -inf, (D3 - mu(n)) / sigma(n) else
+    -inf, |surprisal z|, lookback probability else -inf, number check else -inf].
     """
     lp = token_logp.float()
     ninf = torch.full_like(lp, float("-inf"))
@@ -245,15 +266,16 @@ def trigger_signals(token_logp: torch.Tensor, in_entity: torch.Tensor, d3: torch
         torch.where(torch.isnan(dz), ninf, dz),
         ((-lp - cal.surprisal_mean) / cal.surprisal_std).abs(),
         ninf if lookback_p is None else lookback_p.float(),
+        ninf if number is None else torch.where(torch.isnan(number.float()), ninf, number.float()),
     ], dim=1)
 
 
 def fire(signals: torch.Tensor, cfg: TriggerConfig) -> torch.Tensor:
-    """(B, 4) bool: which triggers fire, from ``trigger_signals`` (B, 4) and the thresholds of
+    """(B, 5) bool: which triggers fire, from ``trigger_signals`` (B, 5) and the thresholds of
     ``cfg`` (disabled triggers never fire). The one rule serving, calibration and the
     evaluation apply."""
-    cut = torch.tensor(cfg.cutoffs(), dtype=signals.dtype, device=signals.device)  # (4,)
-    on = torch.tensor([n in cfg.enabled for n in TRIGGER_NAMES], device=signals.device)  # (4,)
+    cut = torch.tensor(cfg.cutoffs(), dtype=signals.dtype, device=signals.device)  # (5,)
+    on = torch.tensor([n in cfg.enabled for n in TRIGGER_NAMES], device=signals.device)  # (5,)
     return (signals > cut) & on
 
 
