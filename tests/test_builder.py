@@ -67,7 +67,7 @@ def test_serving_calibration_in_the_manifest(lm, tmp_path):
     cal = Calibration.from_dict(c)
     tab = c["dispersion_by_length"]
     assert cal.by_length and "greedy answers" in tab["source"] and sum(tab["count"]) > 6 * 4
-    assert all(0 < m < 1 for m in tab["mean"]) and c["format"] == 2
+    assert all(0 < m < 1 for m in tab["mean"]) and c["format"] == 3
     thr = TriggerConfig.from_calibration(c)  # thresholds the server will use
     assert thr != TriggerConfig() and c["threshold_calibration"]["target_rate"] == cfg.calibration_target
     assert abs(c["threshold_calibration"]["achieved_rate"] - cfg.calibration_target) < 0.05

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_run, canonical_table,
-                                  marked, number_support,
+from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_run, canonical_table,
+                                  marked, number_joiners, number_support,
                                   is_number, repeats_ngram)
 
 
@@ -77,11 +77,30 @@ def test_number_support_asks_whether_the_number_so_far_begins_a_prompt_number():
     assert math.isnan(number_support(idx, [0, 3, 3], 3, table, 0, max_digits=2))  # its start is not read
 
 
+def test_number_support_reads_dotted_and_grouped_numbers_whole():
+    # tokens: 0 " in", 1 "2", 2 "0", 3 "1", 4 ".", 5 " ", 6 " days", 7 "3", 8 ","
+    table = [(20,), (2,), (0,), (1,), (), (), (26,), (3,), ()]
+    joiners = {4: JOIN_DOT, 8: JOIN_COMMA}
+    idx = SourceIndex([0, 1, 4, 3, 4, 7, 5, 3, 8, 2, 2, 2, 5, 6, 4, 5, 7, 4], table, joiners)  # " in 2.1.3 1,000 days. 3."
+    D, C = JOIN_DOT, JOIN_COMMA
+    assert idx.number_prefixes == {(2,), (2, D, 1), (2, D, 1, D, 3), (1,), (1, C, 0), (1, C, 0, 0), (1, C, 0, 0, 0), (3,)}
+    assert number_support(idx, [0, 1, 4, 3, 4], 7, table, 0) == 0.0  # "2.1.3"
+    assert number_support(idx, [0, 1, 4, 3, 4], 1, table, 0) == 1.0  # "2.1.2": its parts are prompt numbers, it is not
+    assert number_support(idx, [0, 3, 8], 2, table, 0) == 0.0  # "1,0"
+    assert number_support(idx, [0, 3, 8, 5], 2, table, 0) == 1.0  # "1, 0": a list, "0" starts no prompt number
+    assert number_support(idx, [0, 7, 4, 5], 3, table, 0) == 0.0  # "3. 1": a sentence end, then the number 1
+    plain = SourceIndex([0, 1, 4, 3, 4, 7], table)  # without joiners: three numbers 2, 1, 3
+    assert plain.number_prefixes == {(2,), (1,), (3,)} and number_support(plain, [0, 1, 4, 3, 4], 7, table, 0) == 0.0
+
+
 def test_canonical_table_digits_are_ids_0_to_9(lm):
     tab = canonical_table(lm.tokenizer, lm.args.vocab_size)
     ids = lambda s: lm.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     assert [tab[ids(str(d))[0]] for d in range(10)] == [(d,) for d in range(10)]
     assert tab[ids(" twelve")[0]] == (1, 2) and not is_number(tab[ids(" Term")[0]])
+    j = number_joiners(lm.tokenizer, lm.args.vocab_size)
+    assert j[ids(".")[0]] == JOIN_DOT and j[ids(",")[0]] == JOIN_COMMA and set(j.values()) == {JOIN_DOT, JOIN_COMMA}
+    assert ids("2.1")[1] in j  # SmolLM2 writes "2.1" as "2", ".", "1"
 
 
 def test_repeats_ngram():

@@ -314,7 +314,7 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     lookback features)."""
     from sfcl.snapshot.calibration import TokenRecords, records_from_tokens
     from sfcl.snapshot.entity import vocab_class_table
-    from sfcl.snapshot.source import SourceIndex, canonical_table
+    from sfcl.snapshot.source import SourceIndex, canonical_table, number_joiners
 
     model = lm.model
     device = next(model.parameters()).device
@@ -360,11 +360,12 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
         disp_t = attention_dispersion(fo.tap_probs[:, :, -1], pos + 1)
     T_, L_, D_ = (torch.stack(x, 1).cpu().tolist() for x in (toks, lps, dps))  # (B, max_new) each
     canon = canonical_table(lm.tokenizer, lm.args.vocab_size)  # the unsupported_number check, as serving runs it
+    joiners = number_joiners(lm.tokenizer, lm.args.vocab_size)
     parts = []
     for r in range(B):
         n = next((j + 1 for j, t in enumerate(T_[r]) if t in eos), len(T_[r]))  # up to and with EOS
         parts.append(records_from_tokens(T_[r][:n], L_[r][:n], D_[r][:n], table, 3, prompt_len=len(prompts[r]),
-                                         source=SourceIndex(prompts[r], canon), canon=canon))
+                                         source=SourceIndex(prompts[r], canon, joiners), canon=canon))
     return TokenRecords.concat(parts)
 
 

@@ -33,7 +33,7 @@ from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
 from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_run, canonical_table, is_number,
-                                  marked, number_support, repeats_ngram)
+                                  marked, number_joiners, number_support, repeats_ngram)
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 
@@ -62,9 +62,10 @@ class Grounding:
     ask for ``cad`` get ``reason: "cad_unavailable"``)."""
 
     def __init__(self, class_table: torch.Tensor, canon: list[tuple[int, ...]], cad: ContextFreeSequences | None = None,
-                 source: SourceConfig | None = None, plausibility: float = 0.1):
+                 source: SourceConfig | None = None, plausibility: float = 0.1, joiners: dict[int, int] | None = None):
         self.classes = class_table.cpu().tolist()
         self.canon = canon
+        self.joiners = joiners or {}  # ``source.number_joiners``: "." / "," inside a number, for the number check
         self.cad = cad
         self.cfg = source or SourceConfig()
         self.plausibility = plausibility
@@ -79,13 +80,14 @@ class Grounding:
             class_table = entity.vocab_class_table(lm.tokenizer, lm.args.vocab_size)
         dtype = next(lm.model.parameters()).dtype
         return cls(class_table, canonical_table(lm.tokenizer, lm.args.vocab_size),
-                   ContextFreeSequences(lm.model, lm.args, n_slots, side_len, dtype, device))
+                   ContextFreeSequences(lm.model, lm.args, n_slots, side_len, dtype, device),
+                   joiners=number_joiners(lm.tokenizer, lm.args.vocab_size))
 
     def prepare(self, request_id: str, prompt_ids: list[int]) -> None:
         """Build the request's source index (once; the runner calls it at the prompt's last chunk of
         every request with snapshots: the ``unsupported_number`` trigger reads it too)."""
         if request_id not in self.indexes:
-            self.indexes[request_id] = SourceIndex(prompt_ids, self.canon)
+            self.indexes[request_id] = SourceIndex(prompt_ids, self.canon, self.joiners)
 
     def number_signal(self, request_id: str, output_ids: list[int], token: int) -> float:
         """The ``unsupported_number`` trigger's signal for ``token`` sampled after ``output_ids``

@@ -61,6 +61,7 @@ def canonical_form(text: str) -> str:
 
 
 NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
+JOIN_DOT, JOIN_COMMA = -3, -4  # a "." / "," between two digits inside one number ("2.1.3", "1,000"): number checks only
 MIN_SOURCE_TOKENS = 64  # below this many prompt tokens there is no document: the number check stays silent
 
 
@@ -115,6 +116,16 @@ def canonical_table(tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
     return out
 
 
+def number_joiners(tokenizer, vocab_size: int) -> dict[int, int]:
+    """{token id: JOIN_DOT | JOIN_COMMA} for the vocabulary entries that are exactly "." or ",": between
+    two number tokens they join them into one number ("2.1.3", "1,000"), as the evaluation's scorer
+    reads numbers (``sfcl.eval.scorer``: ``\\d+([.,]\\d+)*``)."""
+    n = min(vocab_size, len(tokenizer))
+    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    return {i: JOIN_DOT if t == "." else JOIN_COMMA for i, t in enumerate(texts) if t in (".", ",")}
+
+
 @dataclass(slots=True)
 class SourceConfig:
     top_k: int = 10  # model candidates considered at a trigger
@@ -134,26 +145,39 @@ class SourceConfig:
 
 class SourceIndex:
     """Canonical prompt tokens (``canonical_run``, numbers delimited) with an inverted index of
-    positions.
+    positions, and the set of every prefix of every prompt number (``number_prefixes``, for the
+    ``unsupported_number`` check: digit tuples, with ``joiners``' markers where a "." or ","
+    joins two number tokens into one number).
 
-    prompt_ids: the request's prompt token ids; table: ``canonical_table``. Built in one pass
-    (a few ms per 6,000 prompt tokens)."""
+    prompt_ids: the request's prompt token ids; table: ``canonical_table``; joiners:
+    ``number_joiners`` (None: no joined numbers). Built in one pass (a few ms per 6,000 prompt
+    tokens)."""
 
-    def __init__(self, prompt_ids: list[int], table: list[tuple[int, ...]]):
+    def __init__(self, prompt_ids: list[int], table: list[tuple[int, ...]], joiners: dict[int, int] | None = None):
         self.n_prompt = len(prompt_ids)
+        self.joiners = joiners or {}
         self.seq, self.where = canonical_run(prompt_ids, table)  # canonical ids; the prompt position of each
         self.occ: dict[int, list[int]] = {}  # canonical id -> indexes into seq
-        self.number_prefixes: set[tuple[int, ...]] = set()  # every prefix of every prompt number (digit tuples)
-        num: list[int] | None = None
         for j, c in enumerate(self.seq):
             self.occ.setdefault(c, []).append(j)
-            if c == NUM_START:
-                num = []
-            elif c == NUM_END:
-                num = None
-            elif num is not None:
-                num.append(c)
-                self.number_prefixes.add(tuple(num))
+        self.number_prefixes: set[tuple[int, ...]] = set()
+        num: list[int] = []  # the open number: digits and join markers
+        last_num, join = False, None  # the previous token was a number token / a joiner right after one
+        for t in prompt_ids:
+            ids = table[t] if 0 <= t < len(table) else ()
+            if is_number(ids):
+                if join is not None:  # "2" "." + "1": the same number goes on
+                    num.append(join)
+                elif not last_num:  # a new number
+                    num = []
+                for d in ids:
+                    num.append(d)
+                    self.number_prefixes.add(tuple(num))
+                last_num, join = True, None
+            elif last_num and t in self.joiners:
+                last_num, join = False, self.joiners[t]
+            else:
+                last_num, join = False, None
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -204,16 +228,23 @@ def number_support(index: SourceIndex, output_ids: list[int], token: int, table:
     ids = table[token] if 0 <= token < len(table) else ()
     if not is_number(ids) or index.n_prompt < min_source_tokens:
         return math.nan
+
+    def num(k: int) -> tuple[int, ...]:
+        t = output_ids[k]
+        return table[t] if 0 <= t < len(table) else ()
+
     run = list(ids)
     j = len(output_ids) - 1
     while j >= 0:
-        t = output_ids[j]
-        prev = table[t] if 0 <= t < len(table) else ()
-        if not is_number(prev):
+        prev = num(j)
+        if is_number(prev):
+            run[:0] = prev
+        elif output_ids[j] in index.joiners and j >= 1 and is_number(num(j - 1)):  # "2." + "1": one number
+            run.insert(0, index.joiners[output_ids[j]])
+        else:
             break
-        if len(run) + len(prev) > max_digits:
+        if len(run) > max_digits:
             return math.nan
-        run[:0] = prev
         j -= 1
     if len(run) > max_digits:
         return math.nan

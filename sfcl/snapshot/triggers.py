@@ -31,7 +31,8 @@ Triggers (defaults from the source design where it gives one, ``docs/SEED.md``):
 5. ``unsupported_number``: a grounding check, not a model signal: the token is a digit of a number
    that, as written so far, begins no number of the prompt (``sfcl.snapshot.source.number_support``:
    "1" then "2" of "12 months" fires on the "2" when the document has 10 and 1 but no number
-   starting with 12). Signal 1.0 (fires) or 0.0 on number tokens, -inf elsewhere; computed on the
+   starting with 12; a "." or "," between digits joins them into one number, as the evaluation's
+   scorer reads "2.1.3" and "1,000"). Signal 1.0 (fires) or 0.0 on number tokens, -inf elsewhere; computed on the
    host from the sampled token and the request's ``SourceIndex`` (built at prefill for every
    request with snapshots; silent below ``SourceConfig.min_source_tokens`` prompt tokens, where
    there is no document), so the device never computes it (its column is -inf there) and the
