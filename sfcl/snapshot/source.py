@@ -219,8 +219,9 @@ def number_support(index: SourceIndex, output_ids: list[int], token: int, table:
 
     output_ids: the answer's tokens before ``token``; table: ``canonical_table`` (number tokens are
     digits and number words: " thirty" is 3, 0). The number the token ends is the answer's trailing
-    run of number tokens plus the token (canonical digits, ``canonical_run``'s boundaries:
-    punctuation and white space end a number). Returns 1.0 when that number begins no number of the
+    run of number tokens plus the token (canonical digits; a ``index.joiners`` token directly between
+    two number tokens stays inside it as its marker, any other punctuation or white space ends it,
+    the rule ``SourceIndex`` builds ``number_prefixes`` with). Returns 1.0 when that number begins no number of the
     prompt (its digits are not in ``index.number_prefixes``), 0.0 when it does, NaN when ``token``
     is not a number token, when the prompt has fewer than ``min_source_tokens`` tokens (no document
     to ground in), or when the number runs past ``max_digits`` digits (its start is not read).
