@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_run, canonical_table,
+from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_ids, canonical_run, canonical_table,
                                   marked, number_joiners, number_support,
-                                  is_number, repeats_ngram)
+                                  is_number, repeats_ngram, token_texts)
 
 
 @pytest.mark.parametrize("text,form", [(" Five", "5"), ("5", "5"), (" thirty", "30"), ("(5)", "5"), (" Delaware", "delaware"),
@@ -101,6 +101,16 @@ def test_canonical_table_digits_are_ids_0_to_9(lm):
     j = number_joiners(lm.tokenizer, lm.args.vocab_size)
     assert j[ids(".")[0]] == JOIN_DOT and j[ids(",")[0]] == JOIN_COMMA and set(j.values()) == {JOIN_DOT, JOIN_COMMA}
     assert ids("2.1")[1] in j  # SmolLM2 writes "2.1" as "2", ".", "1"
+
+
+def test_tables_from_one_decode_equal_their_own_decodes(lm):
+    texts = token_texts(lm.tokenizer, lm.args.vocab_size)
+    tab = canonical_table(lm.tokenizer, lm.args.vocab_size, texts)
+    assert tab == canonical_table(lm.tokenizer, lm.args.vocab_size)
+    assert number_joiners(lm.tokenizer, lm.args.vocab_size, texts) == number_joiners(lm.tokenizer, lm.args.vocab_size)
+    t7 = lm.tokenizer("7", add_special_tokens=False)["input_ids"][0]
+    assert canonical_ids(tab, t7) == (7,)
+    assert canonical_ids(tab, -1) == () and canonical_ids(tab, len(tab)) == ()  # ids outside the table: nothing
 
 
 def test_repeats_ngram():

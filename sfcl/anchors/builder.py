@@ -314,7 +314,7 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     lookback features)."""
     from sfcl.snapshot.calibration import TokenRecords, records_from_tokens
     from sfcl.snapshot.entity import vocab_class_table
-    from sfcl.snapshot.source import SourceIndex, canonical_table, number_joiners
+    from sfcl.snapshot.source import SourceIndex, canonical_table, number_joiners, token_texts
 
     model = lm.model
     device = next(model.parameters()).device
@@ -359,8 +359,9 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
         logits_t = fo.logits
         disp_t = attention_dispersion(fo.tap_probs[:, :, -1], pos + 1)
     T_, L_, D_ = (torch.stack(x, 1).cpu().tolist() for x in (toks, lps, dps))  # (B, max_new) each
-    canon = canonical_table(lm.tokenizer, lm.args.vocab_size)  # the unsupported_number check, as serving runs it
-    joiners = number_joiners(lm.tokenizer, lm.args.vocab_size)
+    texts = token_texts(lm.tokenizer, lm.args.vocab_size)
+    canon = canonical_table(lm.tokenizer, lm.args.vocab_size, texts)  # the unsupported_number check, as serving runs it
+    joiners = number_joiners(lm.tokenizer, lm.args.vocab_size, texts)
     parts = []
     for r in range(B):
         n = next((j + 1 for j, t in enumerate(T_[r]) if t in eos), len(T_[r]))  # up to and with EOS

@@ -33,7 +33,7 @@ from sfcl.model.sampler import sample
 from sfcl.snapshot import entity
 from sfcl.snapshot.cad import ContextFreeSequences, contrast, js_divergence
 from sfcl.snapshot.source import (NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_run, canonical_table, is_number,
-                                  marked, number_joiners, number_support, repeats_ngram)
+                                  marked, number_joiners, number_support, repeats_ngram, token_texts)
 from sfcl.snapshot.steering import SteerInfo, anchor_distribution, interpolate
 
 
@@ -79,9 +79,10 @@ class Grounding:
         if class_table is None:
             class_table = entity.vocab_class_table(lm.tokenizer, lm.args.vocab_size)
         dtype = next(lm.model.parameters()).dtype
-        return cls(class_table, canonical_table(lm.tokenizer, lm.args.vocab_size),
+        texts = token_texts(lm.tokenizer, lm.args.vocab_size)  # decoded once for both tables
+        return cls(class_table, canonical_table(lm.tokenizer, lm.args.vocab_size, texts),
                    ContextFreeSequences(lm.model, lm.args, n_slots, side_len, dtype, device),
-                   joiners=number_joiners(lm.tokenizer, lm.args.vocab_size))
+                   joiners=number_joiners(lm.tokenizer, lm.args.vocab_size, texts))
 
     def prepare(self, request_id: str, prompt_ids: list[int]) -> None:
         """Build the request's source index (once; the runner calls it at the prompt's last chunk of

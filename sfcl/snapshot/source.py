@@ -65,6 +65,11 @@ JOIN_DOT, JOIN_COMMA = -3, -4  # a "." / "," between two digits inside one numbe
 MIN_SOURCE_TOKENS = 64  # below this many prompt tokens there is no document: the number check stays silent
 
 
+def canonical_ids(table: list[tuple[int, ...]], token: int) -> tuple[int, ...]:
+    """``table[token]``: the canonical ids of one token id; () for an id outside the table."""
+    return table[token] if 0 <= token < len(table) else ()
+
+
 def is_number(ids: tuple[int, ...]) -> bool:
     """Do these canonical ids spell (part of) a number? Canonical ids 0-9 are the digits."""
     return bool(ids) and all(0 <= c <= 9 for c in ids)
@@ -89,7 +94,7 @@ def canonical_run(token_ids: list[int], table: list[tuple[int, ...]], closed: bo
     src: list[int] = []
     prev_num = False
     for p, t in enumerate(token_ids):
-        ids = table[t] if 0 <= t < len(table) else ()
+        ids = canonical_ids(table, t)
         add = marked(ids, prev_num)
         seq.extend(add)
         src.extend(p - 1 if c == NUM_END else p for c in add)  # NUM_END belongs to the number it closes
@@ -100,13 +105,21 @@ def canonical_run(token_ids: list[int], table: list[tuple[int, ...]], closed: bo
     return seq, src
 
 
-def canonical_table(tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
-    """(vocab_size,) canonical ids per token id: one per digit of a number (the digits are ids
-    0-9), one for any other word, () for punctuation, white space and special tokens (skipped)."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+def token_texts(tokenizer, vocab_size: int) -> list[str]:
+    """The text of each token id decoded alone, for ids [0, min(vocab_size, len(tokenizer))) (about
+    a second for a 49k vocabulary): what ``canonical_table`` and ``number_joiners`` read; decode
+    once and pass it to both."""
     n = min(vocab_size, len(tokenizer))
-    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    return tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                  clean_up_tokenization_spaces=False)
+
+
+def canonical_table(tokenizer, vocab_size: int, texts: list[str] | None = None) -> list[tuple[int, ...]]:
+    """(vocab_size,) canonical ids per token id: one per digit of a number (the digits are ids
+    0-9), one for any other word, () for punctuation, white space and special tokens (skipped).
+    texts: ``token_texts(tokenizer, vocab_size)`` when the caller has it (else decoded here)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    texts = token_texts(tokenizer, vocab_size) if texts is None else texts
     ids: dict[str, int] = {str(d): d for d in range(10)}
     out: list[tuple[int, ...]] = [()] * vocab_size
     for i, t in enumerate(texts):
@@ -116,13 +129,11 @@ def canonical_table(tokenizer, vocab_size: int) -> list[tuple[int, ...]]:
     return out
 
 
-def number_joiners(tokenizer, vocab_size: int) -> dict[int, int]:
+def number_joiners(tokenizer, vocab_size: int, texts: list[str] | None = None) -> dict[int, int]:
     """{token id: JOIN_DOT | JOIN_COMMA} for the vocabulary entries that are exactly "." or ",": between
     two number tokens they join them into one number ("2.1.3", "1,000"), as the evaluation's scorer
-    reads numbers (``sfcl.eval.scorer``: ``\\d+([.,]\\d+)*``)."""
-    n = min(vocab_size, len(tokenizer))
-    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    reads numbers (``sfcl.eval.scorer``: ``\\d+([.,]\\d+)*``). texts: as in ``canonical_table``."""
+    texts = token_texts(tokenizer, vocab_size) if texts is None else texts
     return {i: JOIN_DOT if t == "." else JOIN_COMMA for i, t in enumerate(texts) if t in (".", ",")}
 
 
@@ -164,7 +175,7 @@ class SourceIndex:
         num: list[int] = []  # the open number: digits and join markers
         last_num, join = False, None  # the previous token was a number token / a joiner right after one
         for t in prompt_ids:
-            ids = table[t] if 0 <= t < len(table) else ()
+            ids = canonical_ids(table, t)
             if is_number(ids):
                 if join is not None:  # "2" "." + "1": the same number goes on
                     num.append(join)
@@ -226,13 +237,12 @@ def number_support(index: SourceIndex, output_ids: list[int], token: int, table:
     is not a number token, when the prompt has fewer than ``min_source_tokens`` tokens (no document
     to ground in), or when the number runs past ``max_digits`` digits (its start is not read).
     Host ints only: one set lookup after reading back the number's tokens."""
-    ids = table[token] if 0 <= token < len(table) else ()
+    ids = canonical_ids(table, token)
     if not is_number(ids) or index.n_prompt < min_source_tokens:
         return math.nan
 
     def num(k: int) -> tuple[int, ...]:
-        t = output_ids[k]
-        return table[t] if 0 <= t < len(table) else ()
+        return canonical_ids(table, output_ids[k])
 
     run = list(ids)
     j = len(output_ids) - 1
