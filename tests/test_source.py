@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_ids, canonical_run, canonical_table,
+from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, MAX_NUMBER_DIGITS, NUM_END, NUM_START, SourceConfig, SourceIndex, canonical_form, canonical_ids, canonical_run, canonical_table,
                                   marked, number_joiners, number_support,
                                   is_number, repeats_ngram, token_texts)
 
@@ -111,6 +111,14 @@ def test_tables_from_one_decode_equal_their_own_decodes(lm):
     t7 = lm.tokenizer("7", add_special_tokens=False)["input_ids"][0]
     assert canonical_ids(tab, t7) == (7,)
     assert canonical_ids(tab, -1) == () and canonical_ids(tab, len(tab)) == ()  # ids outside the table: nothing
+
+
+def test_number_prefixes_stop_at_the_longest_number_the_check_reads():
+    table = [(d,) for d in range(10)] + [()]
+    idx = SourceIndex([7] * 5000 + [10], table)  # one 5,000-digit number: 5,000 prefixes were kept before
+    assert len(idx.number_prefixes) == MAX_NUMBER_DIGITS and max(map(len, idx.number_prefixes)) == MAX_NUMBER_DIGITS
+    assert number_support(idx, [7] * (MAX_NUMBER_DIGITS - 1), 7, table, 0) == 0.0  # the longest number read: found
+    assert math.isnan(number_support(idx, [7] * MAX_NUMBER_DIGITS, 7, table, 0))  # one digit more is not judged
 
 
 def test_repeats_ngram():

@@ -63,6 +63,7 @@ def canonical_form(text: str) -> str:
 NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
 JOIN_DOT, JOIN_COMMA = -3, -4  # a "." / "," between two digits inside one number ("2.1.3", "1,000"): number checks only
 MIN_SOURCE_TOKENS = 64  # below this many prompt tokens there is no document: the number check stays silent
+MAX_NUMBER_DIGITS = 32  # the number check reads at most this many digits and join markers of one number
 
 
 def canonical_ids(table: list[tuple[int, ...]], token: int) -> tuple[int, ...]:
@@ -156,7 +157,7 @@ class SourceConfig:
 
 class SourceIndex:
     """Canonical prompt tokens (``canonical_run``, numbers delimited) with an inverted index of
-    positions, and the set of every prefix of every prompt number (``number_prefixes``, for the
+    positions, and the set of every prefix of up to ``MAX_NUMBER_DIGITS`` of every prompt number (``number_prefixes``, for the
     ``unsupported_number`` check: digit tuples, with ``joiners``' markers where a "." or ","
     joins two number tokens into one number).
 
@@ -183,7 +184,8 @@ class SourceIndex:
                     num = []
                 for d in ids:
                     num.append(d)
-                    self.number_prefixes.add(tuple(num))
+                    if len(num) <= MAX_NUMBER_DIGITS:  # longer ones are never looked up: memory stays linear in the prompt
+                        self.number_prefixes.add(tuple(num))
                 last_num, join = True, None
             elif last_num and t in self.joiners:
                 last_num, join = False, self.joiners[t]
@@ -225,7 +227,7 @@ def repeats_ngram(output_ids: list[int], candidate: int, n: int) -> bool:
 
 
 def number_support(index: SourceIndex, output_ids: list[int], token: int, table: list[tuple[int, ...]],
-                   min_source_tokens: int = MIN_SOURCE_TOKENS, max_digits: int = 32) -> float:
+                   min_source_tokens: int = MIN_SOURCE_TOKENS, max_digits: int = MAX_NUMBER_DIGITS) -> float:
     """The ``unsupported_number`` trigger's signal (``sfcl.snapshot.triggers``) for a sampled token.
 
     output_ids: the answer's tokens before ``token``; table: ``canonical_table`` (number tokens are
