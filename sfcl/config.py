@@ -77,6 +77,7 @@ class EngineConfig:
     prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
     overlap_lookup: bool = True  # CPU: anchor searches of non-steering rows overlap the next step (ModelRunner)
     # (None: same as decode; serve picks all cores, see sfcl.engine_stack.engine_threads)
+    shared_prefix_attention: bool = True  # decode rows sharing prefix-cache blocks read them once (scheduler.decode_groups)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:

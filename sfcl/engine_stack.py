@@ -158,7 +158,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     sched = Scheduler(SchedulerConfig(max_num_seqs=ecfg.max_num_seqs, max_model_len=max_len,
                                       max_waiting=ecfg.max_waiting, priority_tags=ecfg.priority_tags,
                                       max_num_batched_tokens=ecfg.max_num_batched_tokens,
-                                      block_size=ecfg.block_size, prefix_cache_blocks=pool_blocks))
+                                      block_size=ecfg.block_size, prefix_cache_blocks=pool_blocks,
+                                      shared_prefix_attention=ecfg.shared_prefix_attention))
     return LLMEngine(sched, runner, lm.tokenizer, lm.eos_token_ids, lib)
 
 

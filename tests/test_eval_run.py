@@ -4,6 +4,8 @@ metrics with cluster-bootstrap CIs, and one tiny end-to-end run on the real bund
 from __future__ import annotations
 
 import json
+import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -106,7 +108,27 @@ def test_run_arms_mixes_arms_per_document_and_runs_random_arms_last():
     reqs = eng.requests
     assert [r.params.random_trigger for r in reqs[-6:]] == [0.25] * 6 and reqs[-1].params.steer == ("source",)
     assert {r.params.snapshot_mode for r in reqs[:3]} == {"off", "triggered", "always"}  # one batch mixes the arms
-    assert all(r.params.random_trigger == 0 for r in reqs[:-6])
+    assert all(r.params.random_trigger == 0 and r.params.seed is None for r in reqs[:-6])
+    # the random draws are seeded per item, not per request id (which carries a random prefix):
+    # the control repeats from run to run
+    assert [r.params.seed for r in reqs[-6:]] == [zlib.crc32(it.key.encode()) for it in items]
+
+
+def test_random_draw_follows_the_request_seed_not_its_id():
+    from sfcl.engine.model_runner import ModelRunner
+    from sfcl.engine.request import SamplingParams
+    from sfcl.engine.scheduler import Sequence
+
+    def draws(request_id: str, seed) -> list[bool]:
+        runner = SimpleNamespace(_random={})
+        seq = Sequence(request_id=request_id, prompt_ids=[1, 2],
+                       params=SamplingParams(random_trigger=0.3, seed=seed))
+        return [ModelRunner._random_draw(runner, seq) for _ in range(200)]
+
+    assert draws("a1-k", 7) == draws("b2-k", 7)  # same seed, other ids: the same draws
+    assert draws("a1-k", 7) != draws("a1-k", 8)
+    assert draws("a1-k", None) != draws("b2-k", None)  # no seed: the id seeds them
+    assert 30 < sum(draws("a1-k", 7)) < 90  # Bernoulli(0.3) over 200 draws
 
 
 def test_time_arms_rotates_the_order_per_round():

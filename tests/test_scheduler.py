@@ -3,7 +3,8 @@
 import pytest
 
 from sfcl.engine.request import RequestStatus, SamplingParams
-from sfcl.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, Sequence
+from sfcl.engine.block_manager import block_hashes
+from sfcl.engine.scheduler import DecodeGroup, QueueFullError, Scheduler, SchedulerConfig, Sequence, decode_groups
 
 
 def make_requests(n, prompt_len=4, max_tokens=8, base=1):
@@ -164,21 +165,88 @@ def test_prefix_cache_restores_the_shared_prompt_blocks_and_counts_hits():
 
 
 def test_blocks_saved_in_a_step_are_not_restored_before_that_step_ran():
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=8, max_num_batched_tokens=64,
-                                  max_prefill_seqs=4))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=8, max_num_batched_tokens=64))
     doc = list(range(100, 113))
-    a, b = Sequence("a", doc, SamplingParams(max_tokens=2)), Sequence("b", doc, SamplingParams(max_tokens=2))
+    a = Sequence("a", doc, SamplingParams(max_tokens=2))
     s.add(a)
-    s.add(b)
-    out = s.schedule()  # both admitted in the same step: b cannot restore a's unwritten blocks
-    assert out.restores == [] and {c.seq.request_id for c in out.prefill} == {"a", "b"}
-    assert [w.slot for w in out.saves] == [a.slot]  # b references the same blocks, one save
-    assert a.block_table == b.block_table
+    out = s.schedule()
+    assert [w.slot for w in out.saves] == [a.slot]
     s.prefix.discard_pending()  # the step failed: nothing becomes matchable
     c = Sequence("c", doc, SamplingParams(max_tokens=2))
     s.add(c)
     out = s.schedule()
-    assert out.restores == []
+    assert out.restores == [] and {ch.seq.request_id for ch in out.prefill} == {"c"}
+
+
+def test_a_request_whose_prefix_is_being_computed_waits_and_then_restores_it():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=16, max_num_batched_tokens=64,
+                                  max_prefill_seqs=4))
+    doc = list(range(100, 113))  # 3 cacheable blocks
+    a, b = Sequence("a", doc + [1], SamplingParams(max_tokens=2)), Sequence("b", doc + [2], SamplingParams(max_tokens=2))
+    c = Sequence("c", list(range(200, 213)), SamplingParams(max_tokens=2))  # another document
+    for q in (a, b, c):
+        s.add(q)
+    out = run_step(s)  # b's first block is a's to compute: b waits, c (behind it) goes ahead
+    assert {ch.seq.request_id for ch in out.prefill} == {"a", "c"} and [q.request_id for q in s.waiting] == ["b"]
+    out = run_step(s)
+    assert [(r.slot, r.pool_blocks) for r in out.restores] == [(b.slot, a.block_table)]
+    assert [(ch.seq.request_id, ch.start, ch.end) for ch in out.prefill] == [("b", 12, 14)]
+    assert a.exact_blocks == b.exact_blocks == 3 and b.block_table == a.block_table
+
+
+def test_a_block_computed_alongside_another_sequence_is_not_exact():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=16, max_num_batched_tokens=64))
+    doc = list(range(100, 113))
+    a = Sequence("a", doc, SamplingParams(max_tokens=2), slot=0, num_computed=12)
+    a.block_hashes = block_hashes(doc, 4, 3)
+    s.prefix.allocate(a.block_hashes[1], tuple(doc[4:8]))  # another row is computing block 1 too
+    saves = s._plan_saves(a)
+    assert len(a.block_table) == 3 and a.exact_blocks == 1  # block 1 is not a copy of a's row: nor what follows
+    assert [(w.first_block, len(w.pool_blocks)) for w in saves] == [(0, 1), (2, 1)]
+
+
+def test_decode_groups_gather_rows_that_restored_the_same_blocks(monkeypatch):
+    monkeypatch.setattr("sfcl.engine.scheduler.MIN_SHARED_SAVING", 0)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, block_size=4, prefix_cache_blocks=64, max_num_batched_tokens=64,
+                                  max_prefill_seqs=8))
+    doc = list(range(100, 141))  # 10 cacheable blocks
+    first = Sequence("q0", doc + [1], SamplingParams(max_tokens=8))
+    s.add(first)
+    run_step(s)
+    seqs = [Sequence(f"q{i}", doc + [1 + i], SamplingParams(max_tokens=8)) for i in range(1, 4)]
+    seqs.append(Sequence("other", list(range(300, 341)), SamplingParams(max_tokens=8)))
+    for q in seqs:
+        s.add(q)
+    run_step(s)
+    out = run_step(s)
+    rows = {q.request_id: i for i, q in enumerate(out.decode)}
+    assert len(out.decode) == 5
+    assert [(g.rows, g.shared) for g in out.decode_groups] == [(sorted(rows[f"q{i}"] for i in range(4)), 40)]
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, block_size=4, prefix_cache_blocks=64, max_num_batched_tokens=64,
+                                   shared_prefix_attention=False))
+    assert s2.schedule().decode_groups == []
+
+
+def _decoding(tables: dict[str, list[int]]) -> list[Sequence]:
+    out = []
+    for rid, t in tables.items():
+        q = Sequence(rid, [0] * 100, SamplingParams())
+        q.block_table, q.exact_blocks = list(t), len(t)
+        out.append(q)
+    return out
+
+
+def test_decode_groups_split_where_the_deeper_shared_prefix_spares_more():
+    # three rows share 2 blocks; two of them share 10: one group of two at 10 blocks spares more
+    rows = _decoding({"a": list(range(10)), "b": list(range(10)), "c": [0, 1, 50, 51]})
+    assert [(g.rows, g.shared) for g in decode_groups(rows, 16, min_saving=0)] == [([0, 1], 160)]
+    # ... but with many rows on the short prefix, one group over all of them does
+    rows = _decoding({"a": list(range(10)), "b": list(range(10)), **{f"c{i}": [0, 1, 50 + i] for i in range(12)}})
+    assert [(g.rows, g.shared) for g in decode_groups(rows, 16, min_saving=0)] == [(list(range(14)), 32)]
+    # groups that spare fewer positions than min_saving are not formed
+    assert decode_groups(_decoding({"a": [0, 1], "b": [0, 1]}), 16, min_saving=64) == []
+    assert decode_groups(_decoding({"a": [0, 1], "b": [0, 1], "c": [7]}), 16, min_saving=32) == [
+        DecodeGroup([0, 1], 32)]
 
 
 def test_prefix_cache_evicts_least_recently_used_unreferenced_blocks():
@@ -255,3 +323,53 @@ def test_with_prefix_caching_the_prompt_tail_is_its_own_chunk_in_the_same_step()
     s2 = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, prefix_cache_blocks=0, max_num_batched_tokens=64))
     s2.add(Sequence("c", list(range(100, 111)), SamplingParams(max_tokens=2)))
     assert [(c.start, c.end) for c in run_step(s2).prefill] == [(0, 11)]  # no cache: one chunk
+
+
+def test_a_request_waiting_for_a_prefix_goes_ahead_when_its_owner_is_aborted():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=16, max_num_batched_tokens=20,
+                                  max_prefill_seqs=4))
+    doc = list(range(100, 161))  # 15 cacheable blocks: a's prefill takes several steps
+    a, b = Sequence("a", doc + [1], SamplingParams(max_tokens=2)), Sequence("b", doc + [2], SamplingParams(max_tokens=2))
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert [q.request_id for q in s.waiting] == ["b"]
+    run_step(s)  # a's first blocks are saved, but b still waits: its next block is the one a is computing
+    assert [q.request_id for q in s.waiting] == ["b"]
+    s.abort("a")
+    out = run_step(s)
+    assert [q.request_id for q in s.running] == ["b"] and not s.waiting
+    assert out.restores and out.restores[0].pool_blocks and b.cached_tokens > 0  # what a had saved is kept
+    while not b.prefill_done:
+        run_step(s)
+    assert b.num_computed == len(b.prompt_ids)
+
+
+def test_a_deferred_request_keeps_the_slot_it_waits_for():
+    """A request behind a deferred one may not take the last free slot: the deferred one would
+    then wait for a whole generation (found by review: 204 steps here before)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, prefix_cache_blocks=64, max_num_batched_tokens=16,
+                                  max_prefill_seqs=2))
+    doc = list(range(100, 164))
+    owner = Sequence("O", doc + [1], SamplingParams(max_tokens=200))
+    d = Sequence("D", doc + [2], SamplingParams(max_tokens=4))
+    e = Sequence("E", list(range(300, 304)), SamplingParams(max_tokens=200))
+    for q in (owner, d, e):
+        s.add(q)
+    for _ in range(8):
+        run_step(s)
+        assert e.status is RequestStatus.WAITING
+        if d.status is RequestStatus.RUNNING:
+            break
+    assert d.status is RequestStatus.RUNNING and d.cached_tokens == 64
+
+
+def test_a_knn_request_waits_only_for_an_owner_that_records_context_anchors():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=4, prefix_cache_blocks=16, max_num_batched_tokens=64,
+                                  max_prefill_seqs=4))
+    doc = list(range(100, 113))
+    s.add(Sequence("a", doc + [1], SamplingParams(max_tokens=2)))
+    s.add(Sequence("k", doc + [2], SamplingParams(max_tokens=2, steer="knn")))
+    s.add(Sequence("b", doc + [3], SamplingParams(max_tokens=2)))
+    out = s.schedule()  # k computes (and records) the document itself; b waits for a's blocks
+    assert {c.seq.request_id for c in out.prefill} == {"a", "k"} and [q.request_id for q in s.waiting] == ["b"]

@@ -32,6 +32,9 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: eager decode instead of captured graphs (the lookback-ratio trigger reads attention "
                         "weights that the graphs do not return)")
+    p.add_argument("--no-shared-prefix-attention", action="store_true",
+                   help="decode each row's attention over its own KV even where rows share the document's "
+                        "prefix-cache blocks (default: read once per group; for measuring what that saves)")
 
 
 def add_eval_parser(sub) -> None:

@@ -67,6 +67,9 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768,
                    help="prefix KV cache capacity in tokens (0 disables prefix caching)")
+    p.add_argument("--no-shared-prefix-attention", action="store_true",
+                   help="decode every row's attention over its own KV, even where decoding requests share "
+                        "prefix-cache blocks (default: such rows read the shared positions once per group)")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
     p.add_argument("--sync-lookup", action="store_true",
@@ -110,7 +113,8 @@ def configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig, SnapshotC
                       prefix_cache_tokens=a.prefix_cache_tokens, compile=getattr(a, "compile", False),
                       enforce_eager=getattr(a, "enforce_eager", False),
                       prefill_threads=getattr(a, "prefill_threads", None),
-                      overlap_lookup=not getattr(a, "sync_lookup", False))
+                      overlap_lookup=not getattr(a, "sync_lookup", False),
+                      shared_prefix_attention=not getattr(a, "no_shared_prefix_attention", False))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

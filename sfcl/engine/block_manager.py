@@ -77,23 +77,26 @@ class PrefixCache:
         thread than the owner's: the dict is copied in one C-level step before filtering."""
         return [h for h, bid in self.by_hash.copy().items() if self.blocks[bid].ready]
 
+    def ready_blocks(self, hashes: list[int], token_ids: list[int]) -> int:
+        """How many leading blocks of a prompt ``match`` would restore now (no references taken,
+        nothing counted)."""
+        bs = self.block_size
+        n = 0
+        for i, h in enumerate(hashes):
+            bid = self.by_hash.get(h)
+            if bid is None or not self.blocks[bid].ready or self.blocks[bid].tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            n += 1
+        return n
+
     def match(self, hashes: list[int], token_ids: list[int]) -> list[int]:
         """Longest chain of ready cached blocks for a prompt; references them. Returns block ids
         (block i of the result holds prompt tokens [i*bs, (i+1)*bs)). Counts queries/hits."""
-        bs = self.block_size
         self.queries += len(token_ids)
-        found: list[int] = []
-        for i, h in enumerate(hashes):
-            bid = self.by_hash.get(h)
-            if bid is None:
-                break
-            b = self.blocks[bid]
-            if not b.ready or b.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
-                break
-            found.append(bid)
+        found = [self.by_hash[h] for h in hashes[:self.ready_blocks(hashes, token_ids)]]
         for bid in found:
             self._ref(bid)
-        self.hits += len(found) * bs
+        self.hits += len(found) * self.block_size
         return found
 
     def allocate(self, h: int, tokens: tuple[int, ...]) -> tuple[int, bool] | None:

@@ -41,7 +41,7 @@ from sfcl.engine.graph_runner import DecodeGraphRunner
 from sfcl.engine.scheduler import SchedulerOutput, Sequence
 from sfcl.engine.threads import set_thread_count
 from sfcl.model.kv_cache import KVCache
-from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, StepBatch
+from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, RowGroup, StepBatch
 from sfcl.model.sampler import sample
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.grounding import Grounding, SteerRow
@@ -230,7 +230,8 @@ class ModelRunner:
             self.kv.ensure_initialized(B, S)
             mask = torch.arange(S, device=self.device)[None, :] <= pos[:, None]  # (B, S)
             decode = AttnBatch(is_prefill=False, slots=torch.arange(B, device=self.device), positions=pos,
-                               kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B))
+                               kv_len=S, mask=mask.view(B, 1, 1, S), slot_range=(0, B),
+                               groups=self._row_groups(plan, B) if self.compiled_decode is None else None)
             out.decode_batch = B
         chunks: list[ChunkSpec] = []
         sample_index = list(range(len(plan.decode)))
@@ -341,6 +342,20 @@ class ModelRunner:
                 record=r[5 + 2 * K:] if len(r) > 5 + 2 * K else None)
         return out
 
+    def _row_groups(self, plan: SchedulerOutput, B: int) -> list[RowGroup] | None:
+        """The plan's ``decode_groups`` as attention row groups, plus one group (shared = 0) of the
+        rows in none; None when the plan has no group (plain batched decode)."""
+        if not plan.decode_groups:
+            return None
+        out, grouped = [], set()
+        for g in plan.decode_groups:
+            out.append(_row_group(g.rows, g.shared, self.device))
+            grouped.update(g.rows)
+        rest = [i for i in range(B) if i not in grouped]
+        if rest:
+            out.append(_row_group(rest, 0, self.device))
+        return out
+
     def _number_trigger(self, seqs: list[Sequence], binds: list[Binding | None], rows: list[list]) -> None:
         """The ``unsupported_number`` trigger, on the host after the step's transfer (it needs the
         sampled token and the request's source index, ``Grounding.number_signal``): fills in its
@@ -368,11 +383,13 @@ class ModelRunner:
                 r[4] = 1.0
 
     def _random_draw(self, seq: Sequence) -> bool:
-        """One Bernoulli(``random_trigger``) draw for ``seq`` (seeded by its request id, so a run
-        repeats)."""
+        """One Bernoulli(``random_trigger``) draw for ``seq``, from a generator seeded by the
+        request's ``seed`` when it has one (so a run repeats whatever the request ids), else by its
+        request id."""
         g = self._random.get(seq.request_id)
         if g is None:
-            g = self._random[seq.request_id] = random.Random(zlib.crc32(seq.request_id.encode()))
+            seed = seq.params.seed if seq.params.seed is not None else zlib.crc32(seq.request_id.encode())
+            g = self._random[seq.request_id] = random.Random(seed)
         return g.random() < seq.params.random_trigger
 
     @staticmethod
@@ -464,6 +481,12 @@ class ModelRunner:
         if changed:  # the entity state must follow the token actually emitted
             ix = torch.tensor(changed, device=self.device)
             snap.retoken(torch.tensor([int(rows[i][0]) for i in changed], device=self.device), slots[ix], self.state)
+
+
+def _row_group(rows: list[int], shared: int, device) -> RowGroup:
+    """rows (ascending decode indices) -> RowGroup, with a slice when they are consecutive."""
+    span = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else None
+    return RowGroup(rows=torch.tensor(rows, device=device), span=span, source=rows[0], shared=shared)
 
 
 def _groups(binds: list[Binding | None]) -> list[tuple[Snapshotter, list[int]]]:

@@ -7,9 +7,11 @@ token at the rate ``triggered`` fired on the same documents (``SamplingParams.ra
 with that steering, the control that shows whether the triggers pick the right tokens.
 ``best`` stands for the default mechanism (``DEFAULT_STEER``).
 
-``run_arms`` answers every item under every arm greedily through the real engine, document by
-document, all arms' requests about a document together (full batches; the prefix cache serves the
-document to every arm); random arms run in a second pass, once the rate they must match is known.
+``run_arms`` answers every item under every arm greedily through the real engine, in one stream
+ordered by document, all arms' requests about a document next to each other (full batches; the
+prefix cache serves the document to every arm, and the next document's requests fill the batch
+while the previous one's last answers finish); random arms run in a second pass, once the rate
+they must match is known.
 ``time_arms`` measures each arm's decode speed on its own (arms that share batches share their
 steps): a few rounds, one batch per arm per round, in an order rotated per round so that load
 changes on a shared machine spread over the arms. Torch-free; the engine is any
@@ -82,9 +84,10 @@ def _interleave(groups: list[list]) -> list:
 
 def run_arms(eng, items: list[Item], arms: list[Arm], matched_rate, max_in_flight: int = 32,
              record: bool = True) -> dict[str, list[Record]]:
-    """Answer every item under every arm. Document by document, every arm's requests about it
-    are submitted together (interleaved), so the engine's batches stay full and the prefix cache
-    serves the document to all of them; random arms run afterwards, once ``matched_rate(records
+    """Answer every item under every arm. One stream of requests in document order, every arm's
+    requests about a document next to each other (interleaved), at most ``max_in_flight`` at a
+    time, so the engine's batches stay full and the prefix cache serves the document to all of
+    them; random arms run afterwards, once ``matched_rate(records
     so far)`` can say what rate they must match. record: keep every token's ids, signals and
     trigger inputs (``TokenRecorder``; needs a real engine). Decode speed is measured apart
     (``time_arms``): arms that share batches share their steps. Returns records per arm, in
@@ -103,15 +106,18 @@ def run_arms(eng, items: list[Item], arms: list[Arm], matched_rate, max_in_fligh
             if not todo:
                 continue
             rate = matched_rate(recs) if phase else 0.0
-            for gi, grp in enumerate(by_document(items) if not phase else [items]):
-                jobs = _interleave([[(a, it) for it in grp] for a in todo])
-                got = run_requests(eng, [(it, a.mode, a.steer, rate if a.random else 0.0) for a, it in jobs],
-                                   max_in_flight=max_in_flight, on_done=lambda: bar.update(1))
-                if rec is not None:
-                    rec.fill(got)
-                for a in todo:
-                    recs[a.name].extend(r for (a_, _), r in zip(jobs, got) if a_ is a)
-                bar.set_postfix_str(f"doc {gi + 1}" if not phase else "random arms")
+            # one stream in document order: the next document's requests join while the last
+            # answers of the previous one finish, so batches stay full (its prefix is computed
+            # once and restored for the rest: sfcl.engine.scheduler)
+            jobs = [j for grp in (by_document(items) if not phase else [items])
+                    for j in _interleave([[(a, it) for it in grp] for a in todo])]
+            bar.set_postfix_str("random arms" if phase else f"{len(by_document(items))} documents")
+            got = run_requests(eng, [(it, a.mode, a.steer, rate if a.random else 0.0) for a, it in jobs],
+                               max_in_flight=max_in_flight, on_done=lambda: bar.update(1))
+            if rec is not None:
+                rec.fill(got)
+            for a in todo:
+                recs[a.name].extend(r for (a_, _), r in zip(jobs, got) if a_ is a)
     finally:
         bar.close()
         if rec is not None:

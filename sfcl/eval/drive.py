@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -90,6 +91,7 @@ class EngineSpec:
     steer_lambda_max: float  # kNN-LM weight at confidence 1 (knn arms)
     weight_quant: str  # auto | none | fp16 | int8 | int4
     enforce_eager: bool  # CUDA: no graphs
+    no_shared_prefix_attention: bool = False  # per-row decode attention even where rows share prefix blocks
 
 
 def build(spec: EngineSpec, progress: bool = True):
@@ -103,7 +105,7 @@ def build(spec: EngineSpec, progress: bool = True):
     mc = ModelConfig(model=spec.model, dtype=spec.dtype, device=spec.device, threads=spec.threads,
                      weight_quant=spec.weight_quant)
     ec = EngineConfig(max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, max_waiting=1024,
-                      enforce_eager=spec.enforce_eager)
+                      enforce_eager=spec.enforce_eager, shared_prefix_attention=not spec.no_shared_prefix_attention)
     sc = SnapshotConfig(anchors=spec.anchors, cache_dir=Path(spec.cache_dir) if spec.cache_dir else default_cache_dir(),
                         steer_lambda_max=spec.steer_lambda_max)
     return build_engine(mc, ec, sc, progress=progress)
@@ -192,7 +194,8 @@ def run_requests(engine, jobs: list[tuple[Item, str, object, float]], *, max_in_
 
         async def one(it: Item, mode: str, steer, rate: float) -> Record:
             p = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, snapshot_mode=mode, steer=steer,
-                               cad_prompt_ids=it.cad_prompt_ids, random_trigger=rate)
+                               cad_prompt_ids=it.cad_prompt_ids, random_trigger=rate,
+                               seed=zlib.crc32(it.key.encode()) if rate else None)  # random draws repeat per item
             r = await _run_one(engine, it, p, sem)
             if on_done is not None:
                 on_done()

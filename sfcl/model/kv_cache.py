@@ -194,18 +194,22 @@ class KVCache:
         self.v_scale[layer][slots, :, pos] = vs[:, :, 0]
 
     # -- reads (inside attention) ----------------------------------------------------------------
-    def read(self, layer: int, rows: slice | torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions [0, S) for ``rows`` (a slice -> views when not INT8, or a (B,) index):
-        (B, nkv, S, hd) each in the compute dtype."""
+    def read(self, layer: int, rows: slice | torch.Tensor, S: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [start, S) for ``rows`` (a slice -> views when not INT8, or a (B,) index):
+        (B, nkv, S - start, hd) each in the compute dtype. With INT8, ``start`` is a whole number of
+        blocks (ValueError otherwise)."""
         if not self.int8:
-            return self.k[layer][rows, :, :S], self.v[layer][rows, :, :S]
+            return self.k[layer][rows, :, start:S], self.v[layer][rows, :, start:S]
         bs = self.block_size
-        nb = -(-S // bs)
-        kq = self.k[layer][rows, :, :nb * bs]  # (B, nkv, nb*bs, hd)
+        if start % bs:
+            raise ValueError(f"an INT8 KV read starts on a block boundary ({bs} positions), not at {start}")
+        b0, nb = start // bs, -(-S // bs)
+        kq = self.k[layer][rows, :, b0 * bs:nb * bs]  # (B, nkv, (nb - b0) bs, hd)
         B, nkv, _, hd = kq.shape
-        ks = self.k_scale[layer][rows, :, :nb]  # (B, nkv, nb, hd)
-        kk = (kq.view(B, nkv, nb, bs, hd).to(self.dtype) * ks[:, :, :, None].to(self.dtype)).view(B, nkv, nb * bs, hd)[:, :, :S]
-        vv = self.v[layer][rows, :, :S].to(self.dtype) * self.v_scale[layer][rows, :, :S, None].to(self.dtype)
+        ks = self.k_scale[layer][rows, :, b0:nb]  # (B, nkv, nb - b0, hd)
+        kk = (kq.view(B, nkv, nb - b0, bs, hd).to(self.dtype) * ks[:, :, :, None].to(self.dtype)
+              ).view(B, nkv, (nb - b0) * bs, hd)[:, :, :S - start]
+        vv = self.v[layer][rows, :, start:S].to(self.dtype) * self.v_scale[layer][rows, :, start:S, None].to(self.dtype)
         return kk, vv
 
     def ensure_initialized(self, n_rows: int, S: int) -> None:
