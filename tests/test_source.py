@@ -11,8 +11,9 @@ from sfcl.snapshot.source import (JOIN_COMMA, JOIN_DOT, MAX_NUMBER_DIGITS, NUM_E
                                   is_number, repeats_ngram, token_texts)
 
 
-@pytest.mark.parametrize("text,form", [(" Five", "5"), ("5", "5"), (" thirty", "30"), ("(5)", "5"), (" Delaware", "delaware"),
-                                       (".", ""), (" ", ""), ("\n", ""), (" years", "years")])
+@pytest.mark.parametrize("text,form", [(" five", "5"), ("5", "5"), (" thirty", "30"), ("(5)", "5"), (" Delaware", "delaware"),
+                                       (".", ""), (" ", ""), ("\n", ""), (" years", "years"), ("３", "3"), (" ٣٠", "30"),
+                                       (" Five", "five"), (" Ten", "ten"), ("ten", "ten"), ("one", "one"), (" TEN", "ten")])
 def test_canonical_form(text, form):
     assert canonical_form(text) == form
 
@@ -24,6 +25,18 @@ def test_canonical_table_folds_case_space_and_number_words(lm):
     assert tab[ids(" thirty")[0]] == tab[ids("3")[0]] + tab[ids("0")[0]]  # one canonical id per digit
     assert tab[ids(" Term")[0]] == tab[ids(" term")[0]] != ()
     assert tab[ids(".")[0]] == () and tab[ids(" 5")[0]] == () and all(tab[i] == () for i in lm.tokenizer.all_special_ids)
+
+
+@pytest.mark.parametrize("word", [" Tenant", " Eighteen", " Eighty", " Fourteen", "anyone", " Soneet", " Pettenbach", "tenants"])
+def test_word_pieces_that_spell_number_words_are_not_numbers(lm, word):
+    """Capitalised and space-less pieces (" Ten" + "ant", " Eight" + "een", "any" + "one") were read
+    as numbers: "Tenant" was 10 to the number check, "Eighteen" 8."""
+    tab = canonical_table(lm.tokenizer, lm.args.vocab_size)
+    pieces = lm.tokenizer(word, add_special_tokens=False)["input_ids"]
+    assert len(pieces) > 1 and not any(is_number(tab[t]) for t in pieces)
+    table = [tab[t] for t in range(len(tab))]
+    idx = SourceIndex(lm.tokenizer(" The notice period is 30 days." * 20, add_special_tokens=False)["input_ids"], table)
+    assert all(math.isnan(number_support(idx, pieces[:i], t, table)) for i, t in enumerate(pieces))
 
 
 def test_longest_suffix_and_span():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 
 _NUM = {w: str(i) for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
@@ -52,12 +53,23 @@ _PUNCT = re.compile(r"^[\W_]*$")
 
 
 def canonical_form(text: str) -> str:
-    """Canonical text of one vocabulary entry ("" for punctuation/white space only)."""
-    t = text.strip().casefold()
+    """Canonical text of one vocabulary entry ("" for punctuation/white space only).
+
+    Digits of any script are ASCII digits ("３", "٣" -> "3"). A number word is read as its digits
+    only when the entry is the whole lower-case word after a space (" thirty" -> "30"): that is how
+    this kind of tokenizer writes number words inside a sentence, as one token. Other spellings are
+    word pieces as often as numbers and stay words: capitalised entries begin longer words (" Ten" +
+    "ant", " Eight" + "een" = Eighteen, " Four" + "teen"), entries without a leading space end or
+    split them ("any" + "one", "Pet" + "ten" + "bach"), and which one a piece is shows only once the
+    word has ended, after the token that must be judged."""
+    t = unicodedata.normalize("NFKC", text).strip().casefold()
     if _PUNCT.match(t):
         return ""
     t = t.strip(".,;:()[]\"'’“”")
-    return _NUM.get(t, t)
+    t = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in t)
+    if t in _NUM and text[:1] == " " and text.strip() == t:
+        return _NUM[t]
+    return t
 
 
 NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
