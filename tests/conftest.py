@@ -48,6 +48,22 @@ def lm(cache_dir):
     return load_model(None, dtype="auto", cache_dir=cache_dir)  # bf16 only where the CPU runs it natively
 
 
+@pytest.fixture(scope="session")
+def lm_fp32(lm, cache_dir):
+    """The bundled model in float32 whatever the CPU (``lm`` itself where ``auto`` picked float32).
+
+    For tests that compare greedy answers or logits across compute paths or batch compositions
+    exactly: on a CPU with native bf16, ``lm`` runs in bf16, where logits lie on a 1/8 grid and a
+    prompt computed in one chunk or restored from the prefix cache, or a row batched with other
+    rows, rounds differently, so near ties go either way (seen on an AMD EPYC with avx512_bf16).
+    The anchor libraries of ``lm`` bind to it too (the fingerprint does not depend on the dtype)."""
+    from sfcl.model.loader import load_model
+
+    if next(lm.model.parameters()).dtype == torch.float32:
+        return lm
+    return load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+
+
 def _model_layout(lm) -> tuple:
     """What a test must not change in the shared ``lm``: which model object it holds, and per
     submodule its class, instance attribute names (a method overridden on the instance shows up

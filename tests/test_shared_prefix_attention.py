@@ -64,22 +64,21 @@ def test_an_int8_read_of_a_partial_block_is_refused(lm):
         kv.read(0, slice(0, 1), 40, start=8)
 
 
-def test_questions_about_one_document_decode_in_a_group_and_answer_as_without_it(cache_dir):
+def test_questions_about_one_document_decode_in_a_group_and_answer_as_without_it(lm_fp32):
     """Eight greedy questions about one document through the real engine: the first computes the
     document, the others wait for its blocks and restore them, their decode rows form groups, and
     every answer equals the answer of an engine that plans no groups.
 
     In float32, whatever the CPU: the grouped path sums its attention output in two parts, so in
-    bf16 (the default on an AVX-512 BF16 CPU, logits on a 1/8 grid there) a near tie may go the
-    other way (seen on an AMD EPYC with avx512_bf16: one of 96 tokens)."""
+    bf16 (the default on an AVX-512 BF16 CPU) a near tie may go the other way (seen on an AMD EPYC
+    with avx512_bf16: one of 96 tokens)."""
     from sfcl.config import EngineConfig
     from sfcl.engine.engine import run_to_completion
     from sfcl.engine.events import TextDelta
     from sfcl.engine.request import SamplingParams
     from sfcl.engine_stack import make_llm_engine
-    from sfcl.model.loader import load_model
 
-    lm = load_model(None, dtype=torch.float32, cache_dir=cache_dir)
+    lm = lm_fp32
 
     doc = " ".join(f"Clause {i}. The receiving party shall keep the information of clause {i} secret for "
                    f"{i + 2} years." for i in range(1, 25))

@@ -150,11 +150,15 @@ def test_steering_changes_the_token_when_a_crafted_anchor_fires(lm, nda_library,
     assert s1.steer is not None and s1.token == " banana"  # lambda ~1 leaves almost no other choice
 
 
-def test_every_mechanism_answers_and_reports_what_it_did(lm, nda_library):
+def test_every_mechanism_answers_and_reports_what_it_did(lm_fp32, nda_library):
     """On the real model with a contract: each mechanism (and a combination) answers, every
     looked-up token of a steered request carries a ``steer`` record naming its mechanism, and a
-    changed token is the one emitted. Observe-only requests in the same batch are untouched."""
+    changed token is the one emitted. Observe-only requests in the same batch are untouched: the
+    answer equals the same request's alone (in float32: in bf16 the prompt computed in one chunk
+    here and restored from the prefix cache there rounds differently, enough to flip a near tie)."""
     from sfcl.snapshot.mechanisms import no_document_messages
+
+    lm = lm_fp32
 
     eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=6, max_model_len=1024))
     msgs = [{"role": "user", "content": "Contract:\nThis Agreement is between Acme Widgets Inc. and Beta Labs LLC. "
