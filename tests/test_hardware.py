@@ -91,3 +91,15 @@ def test_packed_kernels_run_in_an_fp32_model():
         assert y.dtype == torch.float32 and y.shape == (3, 32)
         ref = x @ q.dequantized_weight().float().T + lin.bias
         assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # bf16 rounding of x and y only
+
+
+def test_cpu_summary_names_the_model_and_the_simd_flags_present():
+    from sfcl.model.hardware import cpu_flags, cpu_summary
+
+    avx512 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    avx2 = "model name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma\n"
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert cpu_summary(avx512) == f"AMD EPYC (avx2 avx512f avx512_vnni avx512_bf16; torch {cap})"
+    assert cpu_summary(avx2) == f"AMD EPYC (avx2; torch {cap})"
+    assert cpu_flags(avx2) == {"fpu", "sse", "avx2", "fma"} and cpu_flags("") == frozenset()
+    assert "none of avx2" in cpu_summary("model name : Old CPU\nflags : fpu sse\n")

@@ -442,15 +442,9 @@ def run_hf(cfg: BenchConfig, plan: Plan, res: Results, name: str, out: Path) -> 
 
 
 def _machine(device: str) -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs visible, device {device}, {platform.system()} {platform.release()}"
+    from sfcl.model.hardware import cpu_summary
+
+    return f"{cpu_summary()}, {os.cpu_count()} CPUs visible, device {device}, {platform.system()} {platform.release()}"
 
 
 def _loadavg() -> float | None:

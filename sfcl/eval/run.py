@@ -426,6 +426,9 @@ def run_eval(a: EvalConfig) -> int:
         det = detection(answers, cfg, a.bootstrap, a.seed)
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     dtype = str(next(built.lm.model.parameters()).dtype).removeprefix("torch.")  # what --dtype auto resolved to
+    from sfcl.model.hardware import cpu_summary
+
+    cpu = cpu_summary()  # which CPU kind the figures come from
     eval_rate = _observed_rate(recs["off"], cfg) if "off" in recs else None
     cal_info = None if calib is None else {
         "documents": [d.doc_id for d in cal_docs], "thresholds": calib.entries["thresholds"],
@@ -438,7 +441,7 @@ def run_eval(a: EvalConfig) -> int:
             "model": built.lm.name, "anchors": str(built.library.path), "n_anchors": built.library.n_anchors,
             "docs": [d.doc_id for d in docs], "items": len(items), "questions": sum(1 for it in items if it.meta["question"].gold),
             "seed": a.seed, "max_tokens": a.max_tokens, "summary_tokens": a.summary_tokens, "max_doc_tokens": budget,
-            "bootstrap": a.bootstrap, "device": a.device, "dtype": dtype, "documents": notes, "errors": errors,
+            "bootstrap": a.bootstrap, "device": a.device, "dtype": dtype, "cpu": cpu, "documents": notes, "errors": errors,
             "random_trigger_rate": rate, "speed": {"rounds": a.speed_rounds, "streams": a.max_num_seqs,
                                                    "items": len(qa)},
             "thresholds": {k: getattr(cfg, k) for k in ("entity_prob_threshold", "dispersion_z", "surprisal_z",
@@ -453,7 +456,7 @@ def run_eval(a: EvalConfig) -> int:
     (out / "eval.json").write_text(json.dumps({"meta": meta, "calibration": cal_info, "metrics": res, "detection": det,
                                                "items": per_item}, indent=1, default=str))
     md = [f"Evaluation on {len(docs)} ContractNLI NDAs, {len(items)} items ({meta['questions']} questions + summaries), "
-          f"model {built.lm.name} ({a.device}/{dtype}), {built.library.n_anchors} anchors, greedy, {when}; 95% "
+          f"model {built.lm.name} ({a.device}/{dtype}, CPU {cpu}), {built.library.n_anchors} anchors, greedy, {when}; 95% "
           f"cluster-bootstrap CIs over documents ({a.bootstrap} replicates), paired across arms; decode speed: "
           f"{a.speed_rounds} rounds of {len(qa)} requests per arm at {a.max_num_seqs} streams, [min, max] over rounds; "
           f"random arms fire at {100 * rate:.2f}% of tokens.", "", table(res)]

@@ -51,17 +51,37 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo`` ``flags`` or ``Features``); empty where unknown."""
+def _cpuinfo() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        return Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return frozenset()
-    for line in text.splitlines():
+        return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo`` ``flags`` or ``Features``; cpuinfo: that file's
+    text, read when None); empty where unknown."""
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         key, _, val = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return frozenset(val.split())
     return frozenset()
+
+
+# The flags that decide which kernels run fast here (reports name those present).
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_summary(cpuinfo: str | None = None) -> str:
+    """Which CPU kind a figure came from, for reports: ``"AMD EPYC (avx2 avx512f avx512_vnni
+    avx512_bf16; torch AVX512)"`` - the model name, the ``SIMD_FLAGS`` present, and
+    ``torch.backends.cpu.get_cpu_capability()``. cpuinfo: ``/proc/cpuinfo``'s text (read when None)."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    name = next((line.partition(":")[2].strip() for line in text.splitlines()
+                 if line.partition(":")[0].strip() == "model name"), "") or platform.processor() or "unknown CPU"
+    flags = cpu_flags(text)
+    simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + "/".join(SIMD_FLAGS)
+    return f"{name} ({simd}; torch {torch.backends.cpu.get_cpu_capability()})"
 
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool | None:
@@ -237,7 +257,23 @@ class WeightFormat:
 #   0.41 / 0.61x at batch 1 / 4 / 16 and 0.82x for a 256-token prompt chunk; int4 + fp16 above 3
 #   rows 0.56 / 0.42 / 0.58 / 0.82x; int8 + fp16 0.68 / 0.47 / 0.61 / 0.81x. int4 against fp16 alone:
 #   0.84 / 0.83 / 0.93 / 0.98 / 1.21x at 1 / 2 / 3 / 4 / 6 rows, hence max_rows 3.
+#
+# bf16, measured 2026-12-04 on an AMD EPYC with AVX-512 BF16 (2 cores, 1 thread; quiet machine):
+# - int4 blocks (+ int8 lm_head) against bf16 weights: NDA perplexity +0.07% [95% CI -0.10, +0.23]
+#   (12 NDAs x 512 tokens; `python scripts/weight_quant_quality.py --docs 12 --tokens 512 --prompts 8
+#   --modes int4,int8 --threads 1`); int8 +0.39% [+0.04, +0.72]; an int4 lm_head is +5.8% (quant.py).
+# - engine step (`python scripts/profile_weight_formats.py --batches 1,2,4,6,8,16 --prefill 256
+#   --formats none,int4,int8,int4/int4 --threads 1 --reps 8`), against bf16 weights: int4 0.46 / 0.52 /
+#   0.59 / 0.79 / 0.98 / 0.99x at 1 / 2 / 4 / 6 / 8 / 16 rows (the bf16 weights kept for batches above
+#   6 rows), 1.02x for a 256-token prompt chunk; int8 0.63 / 0.75 / 0.79 / 0.98x at 1 / 2 / 4 / 6 rows.
 WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
+    "bf16": [
+        WeightFormat("int4", "keep", "int8", 6, 0.0023,
+                     "int4 kernels for 1-6-row batches, bf16 weights above (step 0.46x / 0.79x of bf16 at batch 1 / 6, "
+                     "1.0x at 8+); NDA perplexity +0.07% [95% CI -0.10, +0.23] (recorded on an AMD EPYC with AVX-512 "
+                     "BF16 with scripts/weight_quant_quality.py and scripts/profile_weight_formats.py, not measured at "
+                     "start-up)"),
+    ],
     "fp32_fbgemm": [
         WeightFormat("int4", "fp16", "int8", 3, 0.0038,
                      "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
