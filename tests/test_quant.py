@@ -87,7 +87,10 @@ def test_dispatch_by_rows(mode, dense):
     q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
     packed = (lambda x: torch._weight_int8pack_mm(x, q.qweight, q.scales)) if mode == "int8" else \
         (lambda x: torch._weight_int4pack_mm_for_cpu(x, q.qweight, 32, q.scales_and_zeros))
-    dense_w = lin.weight if dense == "keep" else q.dequantized_weight()
+    dense_w = q.dense_weight if dense == "keep" else q.dequantized_weight()
+    # either way the dense path multiplies by the packed kernel's weights, not the original ones
+    torch.testing.assert_close(dense_w.float(), q.dequantized_weight().float(), rtol=0, atol=1e-6)
+    assert not torch.equal(dense_w.float(), lin.weight.float())
     x2, x3 = _x(2), _x(3)
     assert torch.equal(q(x2), packed(x2))
     assert torch.equal(q(x3), F.linear(x3, dense_w))
@@ -165,7 +168,7 @@ def test_model_level_drift_is_small(lm, mode, min_top1, min_cos):
 
 def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     """Served with the real dispatch: a 1-stream decode step takes the packed path (M = 1), a
-    prompt's prefill chunk the bf16 one; the answer is real text."""
+    prompt's prefill step the dense one; the answer is real text."""
     import dataclasses
 
     from sfcl.config import EngineConfig
@@ -198,9 +201,11 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=6, snapshot_mode="off", ignore_eos=True))])
     text = "".join(e.text for e in ev if isinstance(e, TextDelta))
     n = lm.args.n_layers
-    # 5 decode steps x 4 block projections on int4; the head (int8) once per forward (prefill + 5)
-    assert calls["int4"] == 5 * 4 * n and calls["int8"] == 6
-    assert calls["dense_rows"] == [len(ids)] * (4 * n)  # the prefill chunk: bf16 weights, M = prompt length
+    # 5 decode steps x 4 block projections on int4, the head (int8) once per decode step
+    assert calls["int4"] == 5 * 4 * n and calls["int8"] == 5
+    # the prefill chunk: dense weights, M = prompt length, and its one sampled row's head too
+    # (prompt rows always dense: sfcl.model.quant.prompt_rows_dense)
+    assert calls["dense_rows"] == [len(ids)] * (4 * n) + [1]
     assert len(text.strip()) > 0
 
 
@@ -234,7 +239,11 @@ def test_fp16_dense_path_serves_batches_above_max_rows():
     x2, x3 = torch.randn(2, 128), torch.randn(3, 128)
     packed = torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), q.qweight, 32, q.scales_and_zeros).float() + lin.bias
     assert torch.equal(q(x2), packed)
-    torch.testing.assert_close(q(x3), F.linear(x3, lin.weight.half().float(), lin.bias), rtol=1e-5, atol=1e-5)
+    # the dense path multiplies by the kernel's weights (codes x bf16 scales), held in fp16
+    sz = q.scales_and_zeros
+    codes = quantize_int4(lin.weight.data)[0]
+    kernel_w = dequantize_int4(codes, sz[..., 0].t(), sz[..., 1].t())
+    torch.testing.assert_close(q(x3), F.linear(x3, kernel_w.half().float(), lin.bias), rtol=1e-5, atol=1e-5)
     assert q.dense_weight is None and not hasattr(q, "qnibbles")  # no fp32 copy, no unpacked nibbles
 
 
@@ -278,3 +287,42 @@ def test_weight_format_choice_by_machine_kind(monkeypatch):
     assert choose_weight_format("int4", torch.float32).label == "int4"
     with pytest.raises(ValueError, match="weight_quant"):
         choose_weight_format("int3", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode, dense", [("int4", "keep"), ("int8", "keep"), ("int4", "fp16")])
+def test_dense_path_multiplies_by_the_packed_kernels_weights(dtype, mode, dense):
+    """Rows served by the packed kernel (a batch of <= max_rows rows) and the same rows served
+    densely (a larger batch, a prompt chunk) agree up to rounding, far closer than the
+    quantization error: a token's logits must not depend on how many rows share its step or on
+    whether its prompt came from the prefix cache."""
+    if dense == "fp16" and not fp16_gemm_available():
+        pytest.skip("FBGEMM fp16 GEMM not in this torch build")
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(576, 384, bias=False)
+    lin.weight.data = (torch.randn(384, 576, generator=gen) * 0.05).to(dtype)
+    q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
+    x = torch.randn(8, 576, generator=gen).to(dtype)
+    packed = torch.cat([q(x[i:i + 2]) for i in range(0, 8, 2)]).float()  # 2 rows a call: the packed kernel
+    dense_y = q(x).float()  # 8 rows: the dense path
+    exact = F.linear(x.float(), lin.weight.float())  # the unquantized weights
+    quant_err = (packed - exact).abs().mean()  # what the gap would be with the original weights densely
+    path_gap = (packed - dense_y).abs().mean()  # rounding only (the packed kernels return bf16)
+    assert path_gap < quant_err / 3, (float(path_gap), float(quant_err))
+
+
+def test_prompt_rows_dense_sends_few_rows_to_the_dense_path():
+    """What the runner wraps steps that compute prompt tokens in: one row (a prompt's last token
+    after a prefix-cache hit) takes the dense path, as the prompt computed whole would."""
+    from sfcl.model.quant import prompt_rows_dense
+
+    lin = _linear(seed=5)
+    q = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="keep")
+    x1 = _x(1)
+    packed = torch._weight_int4pack_mm_for_cpu(x1, q.qweight, 32, q.scales_and_zeros)
+    assert torch.equal(q(x1), packed)
+    with prompt_rows_dense():
+        assert torch.equal(q(x1), F.linear(x1, q.dense_weight))
+        with prompt_rows_dense(False):  # inactive: no change, still dense from the outer one
+            assert torch.equal(q(x1), F.linear(x1, q.dense_weight))
+    assert torch.equal(q(x1), packed)  # restored on exit

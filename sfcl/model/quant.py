@@ -28,11 +28,14 @@ the packed kernels are memory-bound GEMVs that beat a bf16 GEMM only while M is 
 the 2-core AVX-512 CPU, one thread, synthetic weights of all SmolLM2-135M linears of one decode
 step, lm_head in the same mode: bf16 / int8 / int4
 = 11.4 / 4.6 / 4.1 ms at M=1, 15.6 / 13.4 / 11.4 at M=6, 13.7 / 14.8 / 13.0 at M=8, 20.6 / 29.5 /
-26.1 at M=16, 403 / 1259 / 970 at M=512). Rows M <= ``max_rows`` use the packed kernel; larger M
-use a dense matmul whose weight comes from
+26.1 at M=16, 403 / 1259 / 970 at M=512). Rows M <= ``max_rows`` use the packed kernel (except
+inside ``prompt_rows_dense``: the engine's steps that compute prompt tokens); larger M use a dense
+matmul whose weight comes from
 
-- ``dense="keep"`` (default): the original bf16 weight, kept (+2 bytes/parameter of memory; the
-  tied ``lm_head`` shares the embedding, so it costs nothing there), or
+- ``dense="keep"`` (default): a copy in the model dtype of the weight the packed kernel
+  multiplies by (its codes times its scales; +2 bytes/parameter in bf16, including a tied
+  ``lm_head``), so that both paths compute with the same weights, or
+- ``dense="fp16"``: the same weight as an FBGEMM fp16 matrix (``Fp16Linear``), or
 - ``dense="dequant"``: dequantized on every call (no bf16 copy; int8 dequantizes the kernel's own
   int8 weight, 1 byte/param in all; int4 keeps an unpacked nibble copy next to the kernel's packed
   one, 0.5 + 0.5 byte/param). Measured 4.5x (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
@@ -45,6 +48,7 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -69,6 +73,30 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # 1536]) int8 took 0.22 / 0.30 / 1.07 ms at M = 1 / 4 / 16 with bf16 input against 1.50 / 8.87 / 34.0
 # ms with float32 input; int4 0.18 / 0.30 / 1.15 against 2.40 / 9.19 / 34.0.
 KERNEL_DTYPE = torch.bfloat16
+
+
+_dense_only = 0  # > 0 inside ``prompt_rows_dense``: every QuantLinear takes its dense path
+
+
+@contextlib.contextmanager
+def prompt_rows_dense(active: bool = True):
+    """Within (when ``active``): every ``QuantLinear`` multiplies densely, whatever its row count.
+
+    ``sfcl.engine.model_runner`` wraps the forwards that compute prompt tokens, so that a prompt's
+    KV and first token come from the same kernels whether the prompt was computed whole (a chunk
+    of hundreds of rows: dense) or restored from the prefix cache with only its last token left
+    to compute (one row, which would otherwise take the packed kernel): the same request then
+    answers the same when asked again. Decode rows of such a step go dense too (one step per
+    admitted prompt). Not thread-safe: the thread that owns the model sets it."""
+    global _dense_only
+    if not active:
+        yield
+        return
+    _dense_only += 1
+    try:
+        yield
+    finally:
+        _dense_only -= 1
 
 
 @functools.cache
@@ -169,6 +197,7 @@ class QuantLinear(nn.Module):
             q, s = quantize_int8(weight)
             self.register_buffer("qweight", q)  # (N, K) int8
             self.register_buffer("scales", s.to(dt))  # (N,)
+            kernel_w = (lambda: q.float() * self.scales.float()[:, None]) if dense != "dequant" else None
         else:
             q, scale, zero = quantize_int4(weight)
             N, K = q.shape
@@ -177,9 +206,16 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).to(dt).contiguous())
             if dense == "dequant":
                 self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
-        # keep: the original tensor (for a tied lm_head, the embedding itself: no extra memory)
-        self.dense_weight = weight.detach() if dense == "keep" else None
-        self.dense_fp16 = Fp16Linear(weight, None) if dense == "fp16" else None  # bias added below
+            sz = self.scales_and_zeros
+            kernel_w = (lambda: dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t())) if dense != "dequant" else None
+        # The dense path multiplies by the weights the packed kernel multiplies by (dequantized from
+        # its codes and bf16 scales, (N, K) float32 before the copy's dtype), not by the original
+        # ones: a token then gets the same logits, up to rounding, whether its row ran on the packed
+        # kernel (a decode batch of <= max_rows rows, a prompt's last token after a prefix-cache hit)
+        # or densely (a prompt chunk, a larger batch). With the original weights the two paths
+        # differed by the quantization error, and greedy answers changed with load and cache state.
+        self.dense_weight = kernel_w().to(weight.dtype) if dense == "keep" else None
+        self.dense_fp16 = Fp16Linear(kernel_w(), None) if dense == "fp16" else None  # bias added below
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep") -> "QuantLinear":
@@ -201,7 +237,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, K)
-        if x2.shape[0] <= self.max_rows:
+        if x2.shape[0] <= self.max_rows and not _dense_only:
             xk = x2.to(KERNEL_DTYPE).contiguous()
             if self.mode == "int8":
                 y = torch._weight_int8pack_mm(xk, self.qweight, self.scales)  # (M, N)
@@ -235,8 +271,8 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     (weights of the M > max_rows path; ``fp16``: an ``Fp16Linear`` copy, 2 bytes/parameter).
     lm_head: ``none`` | ``fp16`` | ``int8`` | ``int4`` (default ``DEFAULT_LM_HEAD[mode]``: int8
     for both integer modes, see below; fp16 for fp16). The embedding is not touched (a tied
-    ``lm_head`` quantizes a copy of its values and, with ``keep``, uses the embedding tensor itself
-    as its dense weight).
+    ``lm_head`` quantizes a copy of its values; its dense weight, like every dense weight, is the
+    packed kernel's weight, so it no longer shares the embedding's memory).
 
     Raises ValueError for an unknown mode / dense value, a model not on the CPU, fp16 without
     FBGEMM (``fp16_gemm_available``), or a layer whose in_features is not a multiple of 32 (int4)
