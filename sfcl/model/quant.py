@@ -174,6 +174,17 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dt
     return w.reshape(N, K)
 
 
+def _int8_kernel_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What ``torch._weight_int8pack_mm`` multiplies by: q (N, K) int8 x scales (N,) -> (N, K) float32."""
+    return q.float() * scales.float()[:, None]
+
+
+def _int4_kernel_weight(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """What ``torch._weight_int4pack_mm_for_cpu`` multiplies by: codes q (N, K) uint8 and the
+    kernel's (K/group, N, 2) scales and zeros -> (N, K) float32."""
+    return dequantize_int4(q, scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t())
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with W stored quantized; see the module docstring for modes and dispatch.
 
@@ -197,7 +208,7 @@ class QuantLinear(nn.Module):
             q, s = quantize_int8(weight)
             self.register_buffer("qweight", q)  # (N, K) int8
             self.register_buffer("scales", s.to(dt))  # (N,)
-            kernel_w = (lambda: q.float() * self.scales.float()[:, None]) if dense != "dequant" else None
+            kernel_w = (lambda: _int8_kernel_weight(q, self.scales)) if dense != "dequant" else None
         else:
             q, scale, zero = quantize_int4(weight)
             N, K = q.shape
@@ -206,8 +217,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).to(dt).contiguous())
             if dense == "dequant":
                 self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
-            sz = self.scales_and_zeros
-            kernel_w = (lambda: dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t())) if dense != "dequant" else None
+            kernel_w = (lambda: _int4_kernel_weight(q, self.scales_and_zeros)) if dense != "dequant" else None
         # The dense path multiplies by the weights the packed kernel multiplies by (dequantized from
         # its codes and bf16 scales, (N, K) float32 before the copy's dtype), not by the original
         # ones: a token then gets the same logits, up to rounding, whether its row ran on the packed
@@ -225,14 +235,13 @@ class QuantLinear(nn.Module):
         """The weight the packed kernel multiplies by, (N, K) in ``KERNEL_DTYPE``."""
         dt = self.scales.dtype if self.mode == "int8" else self.scales_and_zeros.dtype
         if self.mode == "int8":
-            return self.qweight.to(dt) * self.scales[:, None]
+            return _int8_kernel_weight(self.qweight, self.scales).to(dt)
         if self.dense == "dequant":
             q = torch.stack([self.qnibbles & 15, self.qnibbles >> 4], -1).reshape(self.out_features, self.in_features)
         else:  # recover q through the kernel itself: rows of the identity pick columns of W^T
             eye = torch.eye(self.in_features, dtype=dt, device=self.qweight.device)
             return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
-        sz = self.scales_and_zeros
-        return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t()).to(dt)  # fp32 math, one rounding, like the kernel
+        return _int4_kernel_weight(q, self.scales_and_zeros).to(dt)  # fp32 math, one rounding, like the kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
