@@ -26,7 +26,7 @@ from sfcl.engine.threads import run_on_scratch_thread
 from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 from sfcl.library.versions import load_library
 from sfcl.metrics import PrometheusStatLogger
-from sfcl.model.hardware import resolve_weight_format
+from sfcl.model.hardware import has_native_bf16, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
 from sfcl.model.quant import quantize_weights
@@ -198,16 +198,23 @@ class Built:
 _CORES = torch.get_num_threads()  # torch's default, before anything here changes it
 
 
-def engine_threads(threads: int | None, prefill_threads: int | None, cores: int | None = None) -> tuple[int, int]:
+def engine_threads(threads: int | None, prefill_threads: int | None, cores: int | None = None,
+                   native_bf16: bool = False) -> tuple[int, int]:
     """(decode threads, prefill threads) of the server's engine thread.
 
-    Defaults: decode on cores - 1 (at least 1), leaving a core to the HTTP event loop that streams
-    the tokens (measured on 2 cores behind HTTP: 14.6 ms per token on 1 thread against 25.6 on
-    2, whose second OpenMP thread keeps being preempted); prefill on all cores (prompt chunks are
-    compute-bound GEMMs: 2,437 vs 1,297 prompt tokens/s on 2 vs 1 thread). cores: torch's default
-    thread count at import (its count of physical cores) unless given."""
+    Defaults: prefill on all cores (prompt chunks are compute-bound GEMMs: 2,437 vs 1,297 prompt
+    tokens/s on 2 vs 1 thread). Decode depends on the machine kind, each measured behind HTTP with
+    ``sfcl bench`` on 2 cores:
+    - native_bf16 (a bfloat16 model on a CPU with native bf16, ``sfcl.model.hardware``): all cores.
+      AMD EPYC with AVX-512 BF16, 2026-12-04, same run against llama-server: single stream TPOT
+      p50 20.6 ms on 2 threads vs 25.1 on 1, 16 streams 157.9 vs 122.6 tok/s, lookup p50 0.79
+      vs 1.96 ms.
+    - otherwise cores - 1 (at least 1), leaving a core to the HTTP event loop that streams the
+      tokens: on the AVX2-only EPYC (fp32) 14.6 ms per token on 1 thread against 25.6 on 2,
+      whose second OpenMP thread kept being preempted.
+    cores: torch's default thread count at import (its count of physical cores) unless given."""
     cores = cores or _CORES
-    decode = threads or max(1, cores - 1)
+    decode = threads or (cores if native_bf16 else max(1, cores - 1))
     return decode, prefill_threads or max(decode, cores)
 
 
@@ -221,9 +228,7 @@ def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, pr
 
 def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool) -> Built:
     malloc_tuned = keep_freed_memory()
-    decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)
-    mcfg = replace(mcfg, threads=decode_threads)
-    ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
+    _, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)  # loading runs on prefill's
     main_threads = torch.get_num_threads()  # torch's process-wide count (new threads take it) comes back at the end
     try:
         torch.set_num_threads(prefill_threads)  # loading, and a first start's anchor build, are bulk work
@@ -231,7 +236,14 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         lib = load_anchors(lm, scfg, progress)
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
-        wq = resolve_weight_format(mcfg.weight_quant, next(lm.model.parameters()).dtype, mcfg.device)
+        dtype = next(lm.model.parameters()).dtype
+        native = dtype == torch.bfloat16 and torch.device(mcfg.device).type == "cpu" and bool(has_native_bf16())
+        decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads, native_bf16=native)
+        mcfg = replace(mcfg, threads=decode_threads)
+        ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
+        tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}"
+                   f"{' (native bf16: decode on all cores)' if native else ''}")
+        wq = resolve_weight_format(mcfg.weight_quant, dtype, mcfg.device)
         quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)

@@ -139,3 +139,42 @@ def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
         k, v = kv.read(layer, slice(slot, slot + 1), n)
         rk, rv = ref_kv.read(layer, slice(slot, slot + 1), n)
         assert torch.allclose(k, rk, atol=1e-5) and torch.allclose(v, rv, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_small_decode_attention_in_float32_matches_the_16_bit_path(monkeypatch, kv_dtype):
+    """A 16-bit decode step attending to few positions (B x S <= SMALL_ATTN_FP32_POSITIONS) runs
+    its attention in float32; both paths give the reference attention, masks and weights included."""
+    import sfcl.model.llama as llama
+    from sfcl.model.llama import Attention, LlamaArgs
+
+    a = LlamaArgs("llama", 64, 128, 256, 1, 6, 2, 64, 1e-5, 256, False, False, False)
+    torch.manual_seed(0)
+    attn = Attention(a)
+    kv = KVCache(a, 2, 64, torch.bfloat16, kv_dtype=kv_dtype)
+    kv.ensure_initialized(2, 64)
+    lens = [40, 23]  # row 1 attends to fewer positions: the mask matters
+    for slot, n in enumerate(lens):
+        kv.write_prefill(0, slot, 0, torch.randn(2, n - 1, 64, dtype=torch.bfloat16),
+                         torch.randn(2, n - 1, 64, dtype=torch.bfloat16))
+    pos = torch.tensor([n - 1 for n in lens])
+    S = max(lens)
+    mask = (torch.arange(S)[None, :] <= pos[:, None]).view(2, 1, 1, S)
+    batch = AttnBatch(False, torch.arange(2), pos, S, mask, (0, 2))
+    q, k, v = (torch.randn(2, h, 64, dtype=torch.bfloat16) for h in (6, 2, 2))
+
+    def run(limit):
+        monkeypatch.setattr(llama, "SMALL_ATTN_FP32_POSITIONS", limit)
+        return attn.decode_attn(q, k, v, batch, kv, 0, True)
+
+    o32, p32 = run(10_000)  # float32 path
+    o16, p16 = run(0)  # 16-bit matmuls
+    assert o32.dtype == o16.dtype == torch.bfloat16 and o32.shape == (2, 6 * 64)
+    kk, vv = kv.read(0, slice(0, 2), S)  # (2, nkv, S, hd) as both paths read them
+    s = torch.einsum("bhgd,bhsd->bhgs", (q.float() * 64 ** -0.5).view(2, 2, 3, 64), kk.float())
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)  # (2, nkv, g, S)
+    ref = torch.einsum("bhgs,bhsd->bhgd", p, vv.float()).reshape(2, 6 * 64)
+    assert torch.allclose(o32.float(), ref, atol=2e-2) and torch.allclose(o16.float(), ref, atol=5e-2)
+    assert torch.allclose(p32, p.view(2, 6, 1, S), atol=1e-5)  # float32 scores: the reference weights
+    assert torch.allclose(p16, p.view(2, 6, 1, S), atol=2e-2)
+    assert float(p32[1, :, 0, lens[1]:].abs().max()) == 0.0  # masked positions get no weight

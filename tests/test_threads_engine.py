@@ -13,6 +13,8 @@ def test_engine_threads_defaults_and_explicit():
     assert engine_threads(3, None, cores=2) == (3, 3)  # prefill never below decode by default
     assert engine_threads(1, 4, cores=2) == (1, 4)
     assert engine_threads(4, 1, cores=8) == (4, 1)  # explicit prefill below decode is honoured
+    assert engine_threads(None, None, cores=2, native_bf16=True) == (2, 2)  # bf16 natively: decode on all cores
+    assert engine_threads(1, None, cores=2, native_bf16=True) == (1, 2)  # --threads wins
 
 
 @pytest.mark.parametrize("bad", ["0", "-1"])

@@ -194,19 +194,22 @@ class ServerProcess:
         self.stop()
 
 
-def sfcl_argv(port: int, *, threads: int, max_num_seqs: int, model: str | None = None, device: str = "cpu",
+def sfcl_argv(port: int, *, max_num_seqs: int, model: str | None = None, device: str = "cpu",
               extra: Sequence[str] = ()) -> list[str]:
-    """``python -m sfcl.cli serve`` on ``port`` (snapshot mode chosen per request by header).
-
-    ``threads`` CPU threads in all, as the server uses them by default: prompt steps on all of
-    them (``--prefill-threads``), decode steps on one less (``--threads``; the remaining core runs
-    the HTTP event loop that streams the tokens). ``--threads`` in ``extra`` overrides."""
+    """``python -m sfcl.cli serve`` on ``port`` (snapshot mode chosen per request by header), with
+    the server's own thread defaults (``sfcl.engine_stack.engine_threads``): run it with
+    ``sfcl_env(threads)`` so that they see ``threads`` cores. ``--threads`` in ``extra`` overrides."""
     argv = [sys.executable, "-m", "sfcl.cli", "serve", "--port", str(port),
-            "--threads", str(max(1, threads - 1)), "--prefill-threads", str(threads),
             "--max-num-seqs", str(max_num_seqs), "--device", device]
     if model:
         argv += ["--model", model]
     return argv + list(extra)
+
+
+def sfcl_env(threads: int) -> dict[str, str]:
+    """Environment of a benchmarked ``sfcl serve`` given ``threads`` CPU threads in all: torch's
+    default thread count (which the server reads as its core count) set to ``threads``."""
+    return {"OMP_NUM_THREADS": str(threads)}
 
 
 def llamacpp_argv(port: int, gguf: str, *, threads: int, n_ctx: int, extra: Sequence[str] = ()) -> list[str]:

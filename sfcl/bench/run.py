@@ -275,9 +275,10 @@ def round_note(c: int, per_round: dict[str, list[float]], base: str) -> str:
 def run_sfcl(cfg: BenchConfig, plan: Plan, res: Results, modes: list[str], out: Path,
              single_peers: Sequence[SinglePeer] = ()) -> None:
     port = peers.free_port()
-    argv = peers.sfcl_argv(port, threads=cfg.threads, max_num_seqs=max(plan.levels + (1,)), model=cfg.model,
+    argv = peers.sfcl_argv(port, max_num_seqs=max(plan.levels + (1,)), model=cfg.model,
                            device=cfg.device, extra=shlex.split(cfg.sfcl_args))
-    with peers.ServerProcess("sfcl", argv, port, out / "logs", ready_path="/health") as srv:
+    with peers.ServerProcess("sfcl", argv, port, out / "logs", ready_path="/health",
+                             env=peers.sfcl_env(cfg.threads)) as srv:
         srv.wait_ready(cfg.ready_timeout)
         targets = []
         for k, mode in enumerate(modes):
