@@ -1,4 +1,4 @@
-"""Overlapped anchor lookups (``ModelRunner(overlap_lookup=True)``, the CPU default): a step's batched
+"""Overlapped anchor lookups (``ModelRunner(overlap_lookup=True)``, ``sfcl serve --overlap-lookup``): a step's batched
 search runs on the lookup thread during the next step. Same snapshots and tokens as searching
 inside the step; each event follows its token's text and precedes ``Finished``; a step whose
 search includes a steering row searches in the step; an abort or a failed search touches only its

@@ -73,10 +73,13 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
+    p.add_argument("--overlap-lookup", action="store_true",
+                   help="CPU: run a step's anchor search on a lookup thread during the next step, so its events "
+                        "follow their tokens' text (default: every search runs inside its step and a snapshot "
+                        "event precedes its token's text; a step whose search includes a steering request always "
+                        "searches in the step)")
     p.add_argument("--sync-lookup", action="store_true",
-                   help="CPU: run every anchor search inside its step, so a snapshot event precedes its token's "
-                        "text (default: a step's search runs on a lookup thread during the next step and its events "
-                        "follow their tokens; a step whose search includes a steering request searches in the step)")
+                   help="search inside the step (the default; kept for older command lines)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
                         "compiles at startup, about 5 min on 2 cores the first time (Inductor caches code under /tmp, so restarts take ~35 s); "
@@ -114,7 +117,7 @@ def configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig, SnapshotC
                       prefix_cache_tokens=a.prefix_cache_tokens, compile=getattr(a, "compile", False),
                       enforce_eager=getattr(a, "enforce_eager", False),
                       prefill_threads=getattr(a, "prefill_threads", None),
-                      overlap_lookup=not getattr(a, "sync_lookup", False),
+                      overlap_lookup=getattr(a, "overlap_lookup", False) and not getattr(a, "sync_lookup", False),
                       shared_prefix_attention=not getattr(a, "no_shared_prefix_attention", False))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,

@@ -28,11 +28,11 @@ uncertainty (that is the server's ``entropy`` field, next-token entropy in nats)
 * ``entropy_basis == "words"`` otherwise: word pieces of the generated text received *before
   the snapshot event* -- ``re.findall(r"\\w+|[^\\w\\s]", text)``, i.e. runs of word characters
   and single punctuation marks, case kept, whitespace dropped -- the last ``W`` of them. This is
-  an approximation of the token window. Where SFCL's engine searches in the step (CUDA,
-  steering requests, ``sfcl serve --sync-lookup``) it sends a snapshot before the text of its
-  token (the detokenizer may also hold a few characters back), so the window usually ends just
-  before the snapshot's token; where the search overlaps the next step (the CPU default) the
-  event follows its token's text, and the window, as with the test FakeEngine, includes it.
+  an approximation of the token window. Where SFCL's engine searches in the step (the
+  default) it sends a snapshot before the text of its token (the detokenizer may also hold a few
+  characters back), so the window usually ends just before the snapshot's token; where the search
+  overlaps the next step (``sfcl serve --overlap-lookup`` on a CPU) the event follows its token's
+  text, and the window, as with the test FakeEngine, includes it.
 
 ``Snapshot.entropy_window`` is ``n``, the number of units actually used.
 """

@@ -4,7 +4,7 @@
 then updates request state from the runner's plain results and turns them into typed events
 (``sfcl.engine.events``): text deltas from the incremental detokenizer, snapshot events, and a
 ``Finished`` record per completed request. A lookup the runner overlaps with the next step
-(``ModelRunner(overlap_lookup=True)``) becomes its snapshot event in that step's update, after its
+(``ModelRunner(overlap_lookup=True)``, ``sfcl serve --overlap-lookup``) becomes its snapshot event in that step's update, after its
 token's text and before the next token's (its ``token_index`` names the token), or before
 ``Finished`` when it was the request's last token. Single-threaded: ``sfcl.engine.async_engine`` runs it
 on the one thread that owns the model.

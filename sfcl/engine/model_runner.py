@@ -8,8 +8,8 @@ per part; ``LlamaModel.forward_step``), prefix-cache saves, then sampling and tr
 evaluation over all sampled rows at once, one host transfer of the packed per-row results, and
 (only when some row looks up an anchor) one transfer of the looked-up rows' hidden states (plus
 their logits when they steer) and one batched search per library version in use (normally one;
-two for a while after a reload). On a CPU that search runs on a lookup thread, overlapped with
-the engine's next step (``overlap_lookup``), unless one of its rows steers.
+two for a while after a reload), inside the step by default; with ``overlap_lookup`` (CPU) a
+search none of whose rows steers runs on a lookup thread, overlapped with the engine's next step.
 
 Steering timing: the triggers judge the token just sampled, and the lookup uses the hidden state
 of the same forward, i.e. the state that *produced* that token. The steering mechanisms
