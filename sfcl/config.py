@@ -77,10 +77,10 @@ class EngineConfig:
     enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
     prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
     # CPU: anchor searches of non-steering rows run on a lookup thread during the next step (ModelRunner).
-    # Off by default: in the step, a search of the default library took 0.58 / 0.89 ms p50 / p99 per
-    # lookup at 1 stream and 0.68 / 1.66 ms at 16 with no measurable throughput cost (triggered / off
-    # 0.993), against 0.80 / 8.0 and 0.93 / 13.1 ms overlapped, where the lookup thread waits for a core
-    # behind the engine's threads and the event loop (sfcl bench, 2-core AVX-512 BF16 EPYC, 2026-12-04)
+    # Off by default: in the step, served lookup p99 was 1.0 / 1.9 ms at 1 stream and 2.8 / 3.0 ms at 16
+    # against 6.7 / 5.8 and 10.1 / 33.0 ms overlapped (the lookup thread waits for a core behind the
+    # engine's threads and the event loop), with no throughput lost (two A/B pairs of sfcl bench
+    # --systems sfcl-off,sfcl-triggered, 2-core AVX-512 BF16 EPYC, 2026-12-04; docs/benchmarks.md)
     overlap_lookup: bool = False
     # (None: same as decode; serve picks all cores, see sfcl.engine_stack.engine_threads)
     shared_prefix_attention: bool = True  # decode rows sharing prefix-cache blocks read them once (scheduler.decode_groups)

@@ -126,6 +126,27 @@ def test_ivf_is_deterministic_per_library(big):
     assert torch.equal(a.search(q, 5)[1], b.search(q, 5)[1])
 
 
+def test_ivf_search_leaves_the_calling_threads_torch_thread_count(big):
+    """BUG: faiss's omp_set_num_threads(1) bound to torch's libgomp, so a search on the engine
+    thread (in-step lookups, steered rows) left it decoding on one thread for good."""
+    import threading
+
+    lib, _ = big
+    ivf = AnchorIndex(lib, approximate=True)
+    seen = []
+
+    def engine_like():
+        torch.get_num_threads()  # this thread's lazy init first, as sfcl.engine.threads.set_thread_count does
+        torch.set_num_threads(2)
+        ivf.search(torch.randn(4, lib.hidden_size), 3)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=engine_like)
+    t.start()
+    t.join()
+    assert seen == [2]
+
+
 def test_ties_and_duplicate_anchors(tmp_path):
     """Identical anchors (ties): same scores as exact, no anchor returned twice."""
     g = torch.Generator().manual_seed(3)
