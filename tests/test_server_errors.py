@@ -374,3 +374,15 @@ def test_request_tag_header_reaches_the_engine_and_bad_tags_are_400(serve):
     assert "x-sfcl-tag" in anthropic_error(r, 400, "invalid_request_error")
     r = post(base, "/v1/chat/completions", o_body(), headers={"x-sfcl-tag": "x" * 65})
     assert openai_error(r, 400, "x-sfcl-tag")
+
+
+@pytest.mark.parametrize("value", [5, 1, 2.5, {"source": True}, [1, 2]])
+def test_steer_of_the_wrong_json_type_names_the_accepted_values(url, value):
+    """BUG: ``"steer": 5`` got pydantic's "Input should be a valid boolean", which does not say
+    what steer accepts (found by a new-user check)."""
+    msg = anthropic_error(post(url, A, a_body(steer=value)), 400, "invalid_request_error")
+    assert "steer" in msg and "'source'" in msg and "'+' combination" in msg, msg
+    err = openai_error(post(url, O, o_body(steer=value)), 400, "steer")
+    assert "'source'" in err["message"], err["message"]
+    assert post(url, A, a_body(steer="source+cad")).status_code == 200  # the server keeps serving
+    assert post(url, O, o_body(steer=None)).status_code == 200  # null: the default, no steering

@@ -27,6 +27,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
 from sfcl.server.generation import Collected, snapshot_dict
+from sfcl.server.parsing import SteerValue
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import named_event
 
@@ -59,7 +60,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: Union[bool, str, list[str]] = Field(
+    steer: SteerValue = Field(
         False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
         "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
         "mixture) or a '+' combination; header x-sfcl-steer wins")

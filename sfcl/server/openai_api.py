@@ -25,6 +25,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
 from sfcl.server.generation import Collected, snapshot_dict
+from sfcl.server.parsing import SteerValue
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import DONE, comment_event, data_event
 
@@ -66,7 +67,7 @@ class ChatCompletionRequest(BaseModel):
     seed: Optional[int] = None
     user: Optional[str] = None  # accepted and ignored
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: Union[bool, str, list[str]] = Field(
+    steer: SteerValue = Field(
         False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
         "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
         "mixture) or a '+' combination; header x-sfcl-steer wins")

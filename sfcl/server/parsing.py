@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
+from typing import Annotated, Any, Union
 
 import anyio
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
@@ -28,6 +28,21 @@ SNAPSHOT_HEADER = "x-sfcl-snapshot"
 TAG_HEADER = "x-sfcl-tag"
 STEER_HEADER = "x-sfcl-steer"
 MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def _steer_shape(value: Any) -> Any:
+    """A ``steer`` body value of a JSON type it can never be (a number, an object, a list of
+    non-strings) fails with ``parse_steer``'s message, which names the accepted values, instead of
+    pydantic's "Input should be a valid boolean". JSON null is the default (no steering)."""
+    if value is None:
+        return False
+    if isinstance(value, (bool, str)) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    return parse_steer(value)  # raises ValueError for anything else
+
+
+# the request models' ``steer`` field (both APIs); its values are checked by ``resolve_steer``
+SteerValue = Annotated[Union[bool, str, list[str]], BeforeValidator(_steer_shape)]
 
 
 def new_id(prefix: str) -> str:
