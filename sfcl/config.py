@@ -76,13 +76,13 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode-only step (sfcl.model.compiled); compiles at startup
     enforce_eager: bool = False  # never capture CUDA graphs for decode (on a CPU decode is always eager)
     prefill_threads: int | None = None  # torch threads for steps with >= PREFILL_THREADS_MIN_TOKENS prompt tokens
+    # (None: same as decode; serve picks all cores, see sfcl.engine_stack.engine_threads)
     # CPU: anchor searches of non-steering rows run on a lookup thread during the next step (ModelRunner).
     # Off by default: in the step, served lookup p99 was 1.0 / 1.9 ms at 1 stream and 2.8 / 3.0 ms at 16
     # against 6.7 / 5.8 and 10.1 / 33.0 ms overlapped (the lookup thread waits for a core behind the
     # engine's threads and the event loop), with no throughput lost (two A/B pairs of sfcl bench
     # --systems sfcl-off,sfcl-triggered, 2-core AVX-512 BF16 EPYC, 2026-12-04; docs/benchmarks.md)
     overlap_lookup: bool = False
-    # (None: same as decode; serve picks all cores, see sfcl.engine_stack.engine_threads)
     shared_prefix_attention: bool = True  # decode rows sharing prefix-cache blocks read them once (scheduler.decode_groups)
 
     def __post_init__(self) -> None:
