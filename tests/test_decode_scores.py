@@ -10,12 +10,16 @@ import torch
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, "auto"), (torch.float32, "auto"),
                                              (torch.bfloat16, "int8")])
 @pytest.mark.parametrize("contiguous_rows", [True, False])
-def test_decode_scores_k_qT_equal_q_kT(lm, dtype, kv_dtype, contiguous_rows):
+def test_decode_scores_k_qT_equal_q_kT(lm, dtype, kv_dtype, contiguous_rows, monkeypatch):
     """decode_attn's scores as (K q^T)^T give the old q K^T figures: B = 3 rows attending to
     different lengths, rows as a slot range (views) or an index (slots 3, 0, 2; slot_range None),
-    bf16/fp32 and the INT8 KV cache."""
+    bf16/fp32 and the INT8 KV cache. The 16-bit matmul path even for this small step (its float32
+    path for small steps: tests/test_model.py::test_small_decode_attention_in_float32_matches_the_16_bit_path)."""
+    import sfcl.model.llama as llama
     from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import Attention, AttnBatch
+
+    monkeypatch.setattr(llama, "SMALL_ATTN_FP32_POSITIONS", 0)
 
     a = lm.args
     attn = Attention(a)
