@@ -251,20 +251,19 @@ class Attention(nn.Module):
             return self._grouped_decode(qg, batch.groups, kv, layer, S, want_probs, bias)
         rows = slice(batch.slot_range[0], batch.slot_range[0] + B) if batch.slot_range is not None else batch.slots
         kk, vv = kv.read(layer, rows, S)  # (B, nkv, S, hd): views when not INT8
-        if kk.dtype != torch.float32 and B * S <= SMALL_ATTN_FP32_POSITIONS and not torch.compiler.is_compiling():
-            s = torch.matmul(qg.float(), kk.float().transpose(-1, -2))  # (B, nkv, g, S) fp32
-            if bias is not None:
-                s = s + bias
-            p = s.softmax(-1)
-            o = torch.matmul(p, vv.float()).to(q.dtype).view(B, nh * hd)  # (B, nh hd)
-            return o, (p.view(B, nh, 1, S) if want_probs else None)
-        s = torch.matmul(kk, qg.transpose(-1, -2)).transpose(-1, -2)  # (B, nkv, S, g) -> (B, nkv, g, S)
+        # eager only, tested first: under torch.compile B x S is symbolic and a comparison would become a guard
+        small = not torch.compiler.is_compiling() and kk.dtype != torch.float32 and B * S <= SMALL_ATTN_FP32_POSITIONS
+        if small:  # K and V upcast: float32 matmuls throughout
+            kk, vv, qg = kk.float(), vv.float(), qg.float()
+            s = torch.matmul(qg, kk.transpose(-1, -2))  # (B, nkv, g, S)
+        else:
+            s = torch.matmul(kk, qg.transpose(-1, -2)).transpose(-1, -2)  # (B, nkv, S, g) -> (B, nkv, g, S)
         if s.dtype != torch.float32:
             s = s.float()
         if bias is not None:  # else a single row of forward_step, whose kv_len is its own: nothing to mask
             s = s + bias  # (B, 1, 1, S) broadcast over (nkv, g)
         p = s.softmax(-1)  # (B, nkv, g, S) fp32
-        o = torch.matmul(p if p.dtype == vv.dtype else p.to(vv.dtype), vv).view(B, nh * hd)  # (B, nh hd)
+        o = torch.matmul(p if p.dtype == vv.dtype else p.to(vv.dtype), vv).to(q.dtype).view(B, nh * hd)  # (B, nh hd)
         return o, (p.view(B, nh, 1, S) if want_probs else None)  # one query per sequence: "last" == "all"
 
     def _grouped_decode(self, qg, groups: list[RowGroup], kv, layer: int, S: int, want_probs: bool,
