@@ -7,21 +7,27 @@ lookup thread (one torch thread) or on the engine thread. ``sfcl.snapshot.device
 the dense search on a GPU. The index lives in process memory and is rebuilt at every load: it is
 not part of the library format (see "Build" below for what that costs).
 
-Two ways to find candidates, one way to score them:
+Two ways to search, both scoring against the library's stored float16 vectors in float32:
 
 - **dense** (libraries under ``IVF_MIN_ANCHORS`` anchors, and every index built with
   ``approximate=False``): one matmul of the queries against a search copy of all vectors. A
   float32 copy is exact outright; a 16-bit copy (bfloat16 / float16) picks ``max(4k, k + 16)``
   candidates.
+  candidates, re-scored in float32 against the stored vectors.
 - **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): a faiss
-  ``IndexIVFFlat`` (inverted file over ``nlist`` k-means cells, inner product; Jégou et al.,
-  "Product quantization for nearest neighbor search", TPAMI 2011, section on the inverted file)
-  scans the ``nprobe`` cells nearest to each query and returns ``max(4k, k + 16)`` candidates.
+  ``IndexIVFScalarQuantizer`` with float16 cell lists (inverted file over ``nlist`` k-means cells,
+  inner product; Jégou et al., "Product quantization for nearest neighbor search", TPAMI 2011,
+  section on the inverted file) scans the ``nprobe`` cells nearest to each query and returns the
+  top k directly: its lists hold the stored float16 vectors themselves, so its scores are theirs.
+  Before 2026-12-04 the lists were float32 (``IndexIVFFlat``) and max(4k, k + 16) candidates were
+  re-scored in torch; the same cells give the same top k, and dropping the re-score and half the
+  list bytes took a one-row search right after 64 MB of other memory traffic (the cache state
+  after a forward) from 0.52 to ~0.2 ms (``scripts/anchor_search_bench.py``, docs/benchmarks.md).
 
-Every candidate list is re-scored in float32 against the library's stored float16 vectors, so the
-returned scores and their order are exact for the stored vectors; what an approximate pass can do
-is miss a true top-k anchor. A row whose candidate list comes back short (fewer anchors in its
-cells than asked for) or whose query is not finite is searched exactly over all anchors instead.
+The returned scores and their order are exact for the stored vectors (up to float32 summation
+order); what the approximate pass can do is miss a true top-k anchor. A row whose result comes back
+short (fewer anchors in its cells than asked for) or whose query is not finite is searched exactly
+over all anchors instead.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ class AnchorIndex:
     bfloat16 (half that) or float16 (the memory-mapped library tensor itself, no copy); the
     default ``fast_float_dtype()`` of the caller picks what this CPU multiplies fastest.
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
-    index then holds the IVF (N*D*4 bytes of float32 cell lists plus ``nlist`` centroids) and no
+    index then holds the IVF (N*D*2 bytes of float16 cell lists plus ``nlist`` float32 centroids) and no
     dense copy. nprobe: cells scanned per query (default ``IVF_NPROBE``). Building the IVF trains
     the cell centroids (faiss k-means, seeded: the same library gives the same cells on one
     machine) and takes ``build_s`` seconds. Raises ValueError for another dtype or nprobe < 1.
@@ -92,7 +98,7 @@ class AnchorIndex:
     def memory_bytes(self) -> int:
         """Bytes this index holds beyond the library's mapped vectors."""
         if self.ivf is not None:
-            return int(self.n * self.dim * 4 + self.ivf.nlist * self.dim * 4 + self.n * 8)
+            return int(self.n * self.dim * 2 + self.ivf.nlist * self.dim * 4 + self.n * 8)
         return 0 if self.vectors is self.stored else self.vectors.numel() * self.vectors.element_size()
 
     def search(self, queries: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,27 +113,26 @@ class AnchorIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.n)
-        q = queries.detach().to("cpu", torch.float32)
-        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)  # (B, D)
-        if self.kind == "dense" and self.dtype == torch.float32:
-            return torch.topk(q @ self.vectors.T, k, dim=1)
-        c = candidates(k, self.n)
         if self.kind == "dense":
-            _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, c, dim=1)  # (B, c)
+            q = queries.detach().to("cpu", torch.float32)
+            q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)  # (B, D)
+            if self.dtype == torch.float32:
+                return torch.topk(q @ self.vectors.T, k, dim=1)
+            _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, candidates(k, self.n), dim=1)  # (B, c)
             return _rescore(self.stored, q, cand, k)
-        qn = np.ascontiguousarray(q.numpy())  # (B, D) float32, shares q's memory
+        # ivf: numpy around faiss. Each torch operator here cost ~20-40 us right after a forward (its
+        # code and data out of cache), a numpy one a few: the search itself is ~0.1-0.2 ms.
+        x = queries.detach().to("cpu", torch.float32).numpy()  # (B, D); no copy when already float32
+        with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row is searched exactly below
+            norm = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))[:, None]  # float64: no under/overflow
+            qn = np.ascontiguousarray(x / np.maximum(norm, 1e-12), dtype=np.float32)  # (B, D) unit rows
         with _faiss_one_thread():
-            cand_np = self.ivf.search(qn, c)[1]  # (B, c) int64, -1 where a row ran short
-        cand = torch.from_numpy(cand_np)
-        short_np = (cand_np < 0).any(1) | ~np.isfinite(qn).all(1)  # (B,), numpy: a few us less than torch per lookup
-        if not short_np.any():
-            return _rescore(self.stored, q, cand, k)
-        short = torch.from_numpy(short_np)
-        scores, ids = torch.empty(q.shape[0], k), torch.empty(q.shape[0], k, dtype=torch.int64)
-        ok = ~short
-        if bool(ok.any()):
-            scores[ok], ids[ok] = _rescore(self.stored, q[ok], cand[ok], k)
-        scores[short], ids[short] = _exact(self.stored, q[short], k)
+            s_np, i_np = self.ivf.search(qn, k)  # (B, k) float32 / int64, best first; id -1 where a row ran short
+        scores, ids = torch.from_numpy(s_np), torch.from_numpy(i_np)
+        short_np = (i_np < 0).any(1) | ~np.isfinite(qn).all(1)  # (B,), numpy: a few us less than torch per lookup
+        if short_np.any():
+            short = torch.from_numpy(short_np)
+            scores[short], ids[short] = _exact(self.stored, torch.from_numpy(qn)[short], k)
         return scores, ids
 
 
@@ -168,14 +173,19 @@ def _exact(stored: torch.Tensor, q: torch.Tensor, k: int) -> tuple[torch.Tensor,
 
 
 def _build_ivf(x: np.ndarray, seed: int):
-    """faiss ``IndexIVFFlat`` (inner product) over unit rows ``x`` (N, D) float32, nlist =
-    N / ``IVF_LIST_SIZE`` cells trained by faiss k-means (``IVF_TRAIN_ITERS`` iterations, seeded)."""
+    """faiss ``IndexIVFScalarQuantizer`` (``QT_fp16``, inner product) over unit rows ``x`` (N, D)
+    float32 that are float16 values (the library's stored vectors), nlist = N / ``IVF_LIST_SIZE``
+    cells trained by faiss k-means (``IVF_TRAIN_ITERS`` iterations, seeded). The cell lists hold
+    the vectors in float16, which is exactly what the library stores, so the scan's inner products
+    are the float32 scores of the stored vectors (up to summation order): nothing to re-score."""
     import faiss
 
     n, d = x.shape
     nlist = max(1, n // IVF_LIST_SIZE)
     quantizer = faiss.IndexFlatIP(d)
-    ivf = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+    # encode_residual False: the lists hold the vectors themselves, not their offsets from the centroid
+    ivf = faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, faiss.ScalarQuantizer.QT_fp16,
+                                        faiss.METRIC_INNER_PRODUCT, False)
     ivf.cp.niter, ivf.cp.seed, ivf.cp.spherical = IVF_TRAIN_ITERS, seed, True
     ivf.cp.min_points_per_centroid = 1  # N / nlist = IVF_LIST_SIZE points per cell by design: no warning
     ivf.train(x)

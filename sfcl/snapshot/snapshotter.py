@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sfcl.library.index import AnchorIndex
-from sfcl.library.store import AnchorLibrary
+from sfcl.library.store import KIND_NAMES, AnchorLibrary
 from sfcl.model.hardware import fast_float_dtype
 from sfcl.snapshot import entity
 from sfcl.snapshot.boost import KeywordRule, boosted_confidence, kind_multipliers, library_rules
@@ -162,6 +163,9 @@ class Snapshotter:
         self.top_k = top_k
         self.weights = library.weights.float()
         self.decay = library.decay.float()
+        # numpy views for the CPU lookup (``lookup``): per-anchor weight, decay and kind name
+        self._weights_np, self._decay_np = self.weights.numpy(), self.decay.numpy()
+        self._kind_np = np.asarray(KIND_NAMES, dtype=object)[np.asarray(library.kinds, dtype=np.int64)]
         self.rules = library_rules(library) + list(keyword_boost or [])
         self.steer = steer or SteerConfig()
         self.context_weight = float(context_weight)
@@ -244,15 +248,16 @@ class Snapshotter:
         t0 = time.perf_counter()
         if found is None:
             scores, ids = self.index.search(hidden, k=self.top_k)  # (n, k) f32, (n, k) i64
-            conf = anchor_confidence_each(scores, self.weights[ids], self.decay[ids])  # (n, k)
-            s_l, i_l, c_l = scores.tolist(), ids.tolist(), conf.tolist()
+            s_np, i_np = scores.numpy(), ids.numpy()
+            conf = anchor_confidence_each(s_np, self._weights_np[i_np], self._decay_np[i_np])  # (n, k)
+            s_l, i_l, c_l = s_np.tolist(), i_np.tolist(), conf.tolist()
         else:
             s_l, i_l, c_l = found
         n = len(s_l)
+        kind = self._kind_np
         hits = []
         for r in range(n):
-            ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], self.lib.kind_name(i_l[r][j]), -1)
-                   for j in range(len(i_l[r]))]
+            ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], kind[i_l[r][j]], -1) for j in range(len(i_l[r]))]
             rid = context_ids[r] if context_ids else None
             if rid is not None and context is not None and context.has(rid):
                 cs, cp, cn = context.search(rid, hidden[r], self.top_k)

@@ -294,15 +294,18 @@ def token_entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def anchor_confidence_each(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+def anchor_confidence_each(scores, weights, decay):
     """Per-anchor snapshot confidence.
 
-    scores: (B, k) cosine similarities; weights, decay: (B, k) of the retrieved anchors.
-    conf_i = min(1, w_i * exp(-lambda_i * max(0, 1 - s_i))), (B, k) float32. lambda_i is set at
-    build time to ln 2 / (1 - typical member similarity of the anchor's cluster), so a query as
-    close as a typical member gets confidence 0.5 * w.
+    scores: (B, k) cosine similarities; weights, decay: (B, k) of the retrieved anchors; all torch
+    tensors or all numpy arrays (the CPU lookup computes in numpy: a few us per operator against
+    tens of us for a torch one right after a forward). conf_i = min(1, w_i * exp(-lambda_i *
+    max(0, 1 - s_i))), (B, k) float32, of the inputs' kind. lambda_i is set at build time to
+    ln 2 / (1 - typical member similarity of the anchor's cluster), so a query as close as a
+    typical member gets confidence 0.5 * w.
     """
-    return (weights * torch.exp(-decay * (1.0 - scores).clamp_min(0.0))).clamp(0.0, 1.0)
+    exp = np.exp if isinstance(scores, np.ndarray) else torch.exp
+    return (weights * exp(-decay * (1.0 - scores).clip(0.0, None))).clip(0.0, 1.0)
 
 
 def anchor_confidence(scores: torch.Tensor, weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
