@@ -52,7 +52,7 @@ class PrometheusStatLogger:
         self._library_info: Info | None = None  # sfcl_anchor_library, made by the first set_library
         self.n_requests = 0
         self.n_tokens = 0
-        self.requests = Counter("sfcl_requests", "Finished requests by outcome and tag", ["status", "tag"], registry=r)
+        self.requests = Counter("sfcl_requests", "Ended requests by outcome (stop reason, error or aborted) and tag", ["status", "tag"], registry=r)
         self.prompt_tokens = Counter("sfcl_prompt_tokens", "Prompt tokens of finished requests", ["tag"], registry=r)
         self.generation_tokens = Counter("sfcl_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("sfcl_num_requests_running", "Requests in the decode batch", registry=r)
@@ -141,6 +141,16 @@ class PrometheusStatLogger:
         self.prefix_hits.inc(getattr(stats, "prefix_cache_hits", 0))
         if stats.lookups:
             self.lookup_seconds.observe(stats.lookup_ms / 1e3)
+        self.log_events(events)
+
+    def aborted(self, tag: str | None) -> None:
+        """A request ended by its client (disconnect, closed stream) before it finished: counted
+        in ``sfcl_requests_total{status="aborted"}``; it has no Finished record."""
+        self.n_requests += 1
+        self.requests.labels(status="aborted", tag=self.tag_label(tag)).inc()
+
+    def log_events(self, events) -> None:
+        """The per-request series of (request_id, event) pairs (``log`` passes a step's)."""
         # A request that finished in this step is already gone from the engine: its Finished
         # record in the same batch carries the mode.
         finished_modes = {rid: ev.snapshot_summary.get("mode") for rid, ev in events

@@ -100,3 +100,39 @@ def test_empty_step_posts_nothing():
     et._emit([("other", TextDelta("x", 0))])
     assert calls == []
     loop.close()
+
+
+def _requests_total(m, status: str, tag: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            if s.name == "sfcl_requests_total" and s.labels == {"status": status, "tag": tag}:
+                return s.value
+    return 0.0
+
+
+def test_a_client_abort_counts_as_an_aborted_request_once_and_an_unknown_id_not_at_all():
+    """Found by a new-user pass: requests whose client went away never reached sfcl_requests_total."""
+    from sfcl.metrics import PrometheusStatLogger
+
+    m = PrometheusStatLogger(snapshots_enabled=True, known_tags=("high-risk",))
+    live = {"r1": SimpleNamespace(seq=SimpleNamespace(params=SimpleNamespace(tag="high-risk")))}
+    eng = SimpleNamespace(requests=live, abort=lambda rid: live.pop(rid, None) is not None)
+    et = EngineThread(eng, stat_logger=m)
+    et.sinks = {"r1": print}
+    et._handle(("abort", "r1"))
+    et._handle(("abort", "r1"))  # the stream's cleanup may abort again: not counted twice
+    et._handle(("abort", "never-seen"))
+    assert _requests_total(m, "aborted", "high-risk") == 1.0
+    assert _requests_total(m, "aborted", "none") == 0.0 and "r1" not in et.sinks
+
+
+def test_requests_failed_by_an_engine_error_count_as_errors():
+    from sfcl.metrics import PrometheusStatLogger
+
+    m = PrometheusStatLogger(snapshots_enabled=True)
+    seqs = [SimpleNamespace(request_id="a"), None, SimpleNamespace(request_id="b")]
+    eng = SimpleNamespace(scheduler=SimpleNamespace(running=seqs), abort=lambda rid: True)
+    et = EngineThread(eng, stat_logger=m)
+    et._fail_running("internal engine error")
+    assert _requests_total(m, "error", "none") == 2.0

@@ -189,7 +189,9 @@ class EngineThread:
             cmd[1].set_result(self.steps)
         elif cmd[0] == "abort":
             self.sinks.pop(cmd[1], None)
-            self.engine.abort(cmd[1])
+            st = self.engine.requests.get(cmd[1])
+            if self.engine.abort(cmd[1]) and self.stat_logger is not None:
+                self.stat_logger.aborted(st.seq.params.tag if st is not None else None)
 
     def _run(self) -> None:
         if self._num_threads:
@@ -218,8 +220,11 @@ class EngineThread:
     def _fail_running(self, message: str) -> None:
         sched = self.engine.scheduler
         for seq in [s for s in sched.running if s is not None]:
-            self._emit([(seq.request_id, ErrorEvent(message, "api_error"))])
+            ev = [(seq.request_id, ErrorEvent(message, "api_error"))]
+            self._emit(ev)
             self.engine.abort(seq.request_id)
+            if self.stat_logger is not None:
+                self.stat_logger.log_events(ev)
 
 
 def _rss_bytes() -> int:

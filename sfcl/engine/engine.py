@@ -79,9 +79,13 @@ class LLMEngine:
                                                  bind=self.runner.admit(request_id, text))
         return [(request_id, Started(request_id=request_id, prompt_tokens=len(prompt_ids)))]
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """End ``request_id`` now, without events (its client is gone). Returns False when it was
+        not running or waiting (already finished, or unknown)."""
         if self.scheduler.abort(request_id):
             self._drop(request_id)
+            return True
+        return False
 
     def swap_library(self, library, snapshotter) -> None:
         """Make ``library`` (with its ``snapshotter``) current for requests admitted from now on;
