@@ -45,7 +45,8 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 # Cells scanned per query. On real NDA states (``scripts/anchor_search_bench.py --nprobe 24 12 8``,
 # 3,135 queries about dev NDAs 53-60, AVX2 EPYC, 2026-12-03; docs/benchmarks.md): recall@3 against
 # exact search over 32,768 anchors of NDAs 0-15 0.990 / 0.974 / 0.959, over the 17,069 of the default
-# library 0.987 / 0.968 / 0.951; one-row lookup p50 1.44 / 0.79 / 0.65 ms on one thread (32,768).
+# library 0.987 / 0.968 / 0.951; one-row lookup p50 1.44 / 0.79 / 0.65 ms on one thread (32,768; float32
+# lists and a re-score then, see the module docstring).
 # 12 keeps recall@3 >= 0.95 with margin at about half the time of 24.
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids

@@ -1,0 +1,71 @@
+"""Where one snapshot lookup's time goes, with warm and with evicted caches.
+
+    python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
+
+Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
+faiss IVF scan alone (``index.ivf.search``, top ``--k`` direct), and an empty call, each once with
+warm caches and once right after copying ``--evict-mb`` MB (the memory traffic of a decode step,
+which is what the in-step lookup follows). Queries: library vectors plus noise (latency does not
+depend on what they are; recall is measured on real NDA states by ``scripts/anchor_search_bench.py``).
+Prints p50 / p99 in ms per case. Works on any commit with ``AnchorIndex`` and an IVF index (the
+2026-12-04 before/after figures in docs/benchmarks.md came from this script on ``1e90854`` and on
+the change after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from sfcl.library.index import AnchorIndex
+from sfcl.library.versions import load_library
+
+
+def timed(fn, reps: int, evict: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
+    """p50, p99 ms of ``fn(i)`` over ``reps`` calls, each after ``dst.copy_(src)`` when ``evict``."""
+    ts = np.empty(reps)
+    for i in range(reps):
+        if evict is not None:
+            evict[1].copy_(evict[0])
+        t0 = time.perf_counter()
+        fn(i)
+        ts[i] = (time.perf_counter() - t0) * 1e3
+    return float(np.percentile(ts, 50)), float(np.percentile(ts, 99))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--anchors", required=True, help="anchor library (root or directory)")
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--evict-mb", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    lib = load_library(a.anchors)
+    index = AnchorIndex(lib, approximate=True)
+    if index.ivf is None:
+        raise SystemExit(f"{lib.n_anchors} anchors: below the IVF size, the index is dense")
+    g = torch.Generator().manual_seed(0)
+    base = lib.vectors[torch.randint(0, lib.n_anchors, (a.reps,), generator=g)].float()
+    q = base + 0.3 * base.std() * torch.randn(base.shape, generator=g)
+    unit = [np.ascontiguousarray((r / r.norm()).numpy()[None]) for r in q]
+    src = torch.empty(a.evict_mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    cases = [("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
+             (f"faiss IVF scan alone, top {a.k}", lambda i: index.ivf.search(unit[i], a.k)),
+             ("empty call", lambda i: None)]
+    print(f"{lib.n_anchors} anchors, index {type(index.ivf).__name__}, nlist {index.ivf.nlist}, "
+          f"nprobe {index.nprobe}, CPU {torch.backends.cpu.get_cpu_capability()}")
+    print(f"| case | warm p50 ms | warm p99 ms | after {a.evict_mb} MB copy p50 ms | p99 ms |")
+    print("|---|---|---|---|---|")
+    for name, fn in cases:
+        w50, w99 = timed(fn, a.reps, None)
+        c50, c99 = timed(fn, a.reps, (src, dst))
+        print(f"| {name} | {w50:.3f} | {w99:.3f} | {c50:.3f} | {c99:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
