@@ -179,7 +179,8 @@ class PrometheusStatLogger:
                 if len(ev.token_gaps_ms) >= 2:
                     self.gap_var.labels(tag=tag).observe(statistics.pvariance(ev.token_gaps_ms) / 1e6)
             elif isinstance(ev, ErrorEvent):
-                self.requests.labels(status="error", tag="none").inc()
+                self.n_requests += 1
+                self.requests.labels(status="error", tag=self.tag_label(ev.tag)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

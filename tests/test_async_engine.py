@@ -127,12 +127,23 @@ def test_a_client_abort_counts_as_an_aborted_request_once_and_an_unknown_id_not_
     assert _requests_total(m, "aborted", "none") == 0.0 and "r1" not in et.sinks
 
 
-def test_requests_failed_by_an_engine_error_count_as_errors():
+def test_requests_failed_by_an_engine_error_or_refused_at_intake_count_as_errors_under_their_tag():
+    from sfcl.engine.scheduler import QueueFullError
     from sfcl.metrics import PrometheusStatLogger
 
-    m = PrometheusStatLogger(snapshots_enabled=True)
-    seqs = [SimpleNamespace(request_id="a"), None, SimpleNamespace(request_id="b")]
-    eng = SimpleNamespace(scheduler=SimpleNamespace(running=seqs), abort=lambda rid: True)
+    m = PrometheusStatLogger(snapshots_enabled=True, known_tags=("high-risk",))
+    seq = lambda rid, tag: SimpleNamespace(request_id=rid, params=SimpleNamespace(tag=tag))  # noqa: E731
+    eng = SimpleNamespace(scheduler=SimpleNamespace(running=[seq("a", "high-risk"), None, seq("b", None)]),
+                          abort=lambda rid: True)
     et = EngineThread(eng, stat_logger=m)
     et._fail_running("internal engine error")
-    assert _requests_total(m, "error", "none") == 2.0
+    assert _requests_total(m, "error", "high-risk") == 1.0 and _requests_total(m, "error", "none") == 1.0
+
+    def full(*_):
+        raise QueueFullError("full")
+
+    got = []
+    eng.add_request = full
+    et._handle(("add", "c", [1, 2], SimpleNamespace(tag="high-risk"), got.append))
+    assert got == [ErrorEvent("the engine queue is full; retry later", "overloaded_error", tag="high-risk")]
+    assert _requests_total(m, "error", "high-risk") == 2.0 and m.n_requests == 3

@@ -53,6 +53,13 @@ def test_boosted_confidence_multiplies_matching_kinds_and_clamps():
     assert boosted_confidence([0.4, 0.5], ["domain", "general"], {}) == 0.5
 
 
+def test_a_nan_anchor_confidence_counts_as_zero_not_one():
+    """Break-it pass: a NaN hidden state gave NaN scores and confidence 1.0 (min(1.0, nan) is 1.0)."""
+    nan = float("nan")
+    assert boosted_confidence([nan, nan], ["domain", "general"], {}) == 0.0
+    assert boosted_confidence([nan, 0.3], ["domain", "general"], {"general": 2.0}) == pytest.approx(0.6)
+
+
 def test_load_rules_from_file(tmp_path):
     p = tmp_path / "boost.json"
     p.write_text(json.dumps(RULES))

@@ -111,6 +111,20 @@ def test_ivf_query_dtypes_norms_and_non_finite(big, dt):
         assert torch.equal(ids, i_ref) or not bool(s_ref.abs().sum() > 0)
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("scale", [1e30, 1e-30])
+def test_float32_queries_of_extreme_norm_find_the_same_anchors(big, approximate, scale):
+    """Break-it pass: the dense search normalised in float32, so a 1e30-norm query overflowed to
+    inf, became zero, and scored 0 against everything (the IVF path took its norm in float64)."""
+    lib, exact = big
+    index = AnchorIndex(lib, approximate=approximate)
+    q = lib.vectors[:4].float() + 0.01
+    s_ref, i_ref = exact.search(q, 3)
+    s, ids = index.search(q * scale, 3)
+    assert torch.equal(ids, i_ref)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
 def test_ivf_zero_and_non_contiguous_queries(big):
     lib, exact = big
     ivf = AnchorIndex(lib, approximate=True)

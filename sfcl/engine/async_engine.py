@@ -169,13 +169,17 @@ class EngineThread:
             self.sinks[rid] = sink
             try:
                 self._emit(self.engine.add_request(rid, ids, params))
+                return
             except QueueFullError:
-                self._emit([(rid, ErrorEvent("the engine queue is full; retry later", "overloaded_error"))])
+                err = ErrorEvent("the engine queue is full; retry later", "overloaded_error", tag=params.tag)
             except ValueError as e:
-                self._emit([(rid, ErrorEvent(str(e), "invalid_request_error"))])
+                err = ErrorEvent(str(e), "invalid_request_error", tag=params.tag)
             except Exception:  # never let one request's intake end the engine thread
                 log.exception("could not add request %s", rid)
-                self._emit([(rid, ErrorEvent("internal error while queueing the request", "api_error"))])
+                err = ErrorEvent("internal error while queueing the request", "api_error", tag=params.tag)
+            self._emit([(rid, err)])
+            if self.stat_logger is not None:  # a refused request ended too: counted as an error
+                self.stat_logger.log_events([(rid, err)])
         elif cmd[0] == "swap":  # anchor library reload: between steps, on this thread
             _, lib, snap, fut = cmd
             try:
@@ -220,7 +224,7 @@ class EngineThread:
     def _fail_running(self, message: str) -> None:
         sched = self.engine.scheduler
         for seq in [s for s in sched.running if s is not None]:
-            ev = [(seq.request_id, ErrorEvent(message, "api_error"))]
+            ev = [(seq.request_id, ErrorEvent(message, "api_error", tag=seq.params.tag))]
             self._emit(ev)
             self.engine.abort(seq.request_id)
             if self.stat_logger is not None:

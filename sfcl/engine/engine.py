@@ -148,7 +148,8 @@ class LLMEngine:
         log.exception("request %s failed in update", seq.request_id)
         self.scheduler.finish(seq, "aborted")
         self._drop(seq.request_id)
-        return [(seq.request_id, ErrorEvent("internal error while processing this request", "api_error"))]
+        return [(seq.request_id, ErrorEvent("internal error while processing this request", "api_error",
+                                            tag=seq.params.tag))]
 
     def _advance(self, st: RequestState, res: SeqResult, now: float) -> list[tuple[str, EngineEvent]]:
         seq, rid = st.seq, st.seq.request_id

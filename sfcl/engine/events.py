@@ -77,6 +77,7 @@ class Finished:
 class ErrorEvent:
     message: str
     type: str = "api_error"  # Anthropic error type names: api_error, overloaded_error, ...
+    tag: str | None = None  # the request's business tag, where known (metrics label)
 
 
 EngineEvent = Union[Started, TextDelta, SnapshotEvent, Finished, ErrorEvent]

@@ -51,6 +51,7 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
+_TINY = float(np.finfo(np.float64).tiny)  # the norm floor: only an all-zero query is not scaled to norm 1
 
 
 def candidates(k: int, n: int) -> int:
@@ -114,27 +115,31 @@ class AnchorIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.n)
+        q = unit_rows(queries)  # (B, D) float32
         if self.kind == "dense":
-            q = queries.detach().to("cpu", torch.float32)
-            q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)  # (B, D)
             if self.dtype == torch.float32:
                 return torch.topk(q @ self.vectors.T, k, dim=1)
             _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, candidates(k, self.n), dim=1)  # (B, c)
             return _rescore(self.stored, q, cand, k)
-        # ivf: numpy around faiss. Each torch operator here cost ~20-40 us right after a forward (its
-        # code and data out of cache), a numpy one a few: the search itself is ~0.1-0.2 ms.
-        x = queries.detach().to("cpu", torch.float32).numpy()  # (B, D); no copy when already float32
-        with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row is searched exactly below
-            norm = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))[:, None]  # float64: no under/overflow
-            qn = np.ascontiguousarray(x / np.maximum(norm, 1e-12), dtype=np.float32)  # (B, D) unit rows
+        qn = q.numpy()  # (B, D) float32, contiguous, shares q's memory
         with _faiss_one_thread():
             s_np, i_np = self.ivf.search(qn, k)  # (B, k) float32 / int64, best first; id -1 where a row ran short
         scores, ids = torch.from_numpy(s_np), torch.from_numpy(i_np)
         short_np = (i_np < 0).any(1) | ~np.isfinite(qn).all(1)  # (B,), numpy: a few us less than torch per lookup
         if short_np.any():
             short = torch.from_numpy(short_np)
-            scores[short], ids[short] = _exact(self.stored, torch.from_numpy(qn)[short], k)
+            scores[short], ids[short] = _exact(self.stored, q[short], k)
         return scores, ids
+
+
+def unit_rows(queries: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """queries (B, D), any float dtype -> (B, D) float32 rows of norm 1 on ``device``: the one
+    normalisation of every anchor search (this index and ``sfcl.snapshot.device_search``). The
+    norm is taken in float64, so neither 1e30 nor 1e-30 over/underflows (in float32 a 1e30 query
+    became zero); zero rows stay zero; non-finite rows come out non-finite."""
+    q = queries.detach().to(device, torch.float32)
+    norm = torch.linalg.vector_norm(q, dim=1, keepdim=True, dtype=torch.float64)  # (B, 1)
+    return (q / norm.clamp_min(_TINY)).float()
 
 
 @contextlib.contextmanager

@@ -96,7 +96,6 @@ def kind_multipliers(rules: list, text: str) -> dict[str, float]:
 def boosted_confidence(per_anchor: list[float], kinds: list[str], mult: dict[str, float]) -> float:
     """Snapshot confidence = max over the retrieved anchors of min(1, c_i * multiplier(kind_i)).
 
-    per_anchor: confidence of each retrieved anchor in [0, 1]; kinds: their kind names."""
-    if not per_anchor:
-        return 0.0
-    return max(min(1.0, c * mult.get(k, 1.0)) for c, k in zip(per_anchor, kinds))
+    per_anchor: confidence of each retrieved anchor in [0, 1] (NaN, from a non-finite hidden state,
+    counts as 0: ``min(1.0, nan)`` would be 1.0); kinds: their kind names."""
+    return max((min(1.0, c * mult.get(k, 1.0)) for c, k in zip(per_anchor, kinds) if c == c), default=0.0)

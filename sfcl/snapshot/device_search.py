@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from sfcl.library.index import candidates, unit_rows
+
 MAX_EXACT_ID = 1 << 24  # ids travel as float32 in the packed transfer: exact below 2**24
 
 
@@ -60,12 +62,11 @@ class DeviceAnchorIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.n)
-        q = hidden.detach().to(self.device, torch.float32)
-        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)  # (n, D)
+        q = unit_rows(hidden, self.device)  # (n, D) float32
         if self.dtype == torch.float32:
             scores, ids = torch.topk(q @ self.vectors.T, k, dim=1)  # (n, k)
         else:
-            c = min(self.n, max(4 * k, k + 16))
+            c = candidates(k, self.n)
             _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, c, dim=1)  # (n, c)
             exact = torch.bmm(self.stored[cand].float(), q.unsqueeze(2)).squeeze(2)  # (n, c)
             scores, pos = torch.topk(exact, k, dim=1)
