@@ -2,6 +2,7 @@
 
 Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant auto]
                                         [--threads 1] [--steps 100] [--profile] [--anchors DIR]
+                                        [--eager]
 
 Builds the engine as ``sfcl serve --compile`` does (default model, default anchor library),
 then calls the compiled decode step on dummy rows of B sequences attending to S cache
@@ -10,7 +11,9 @@ positions, and prints the step's p50 / p90 wall time in ms, against the same ste
 torch.profiler table of the top operators (self CPU time per step), which is how the Dynamo
 guard time ("TorchDynamo Cache Lookup") and the Python-wrapper time of
 ``sfcl.model.compiled.compile_options`` were found. Compiling takes 30 s to a few minutes
-(Inductor caches generated code under /tmp/torchinductor_$USER).
+(Inductor caches generated code under /tmp/torchinductor_$USER). ``--eager`` skips compiling:
+it times the eager step alone and, with ``--profile``, prints its operator table grouped by input
+shape (how the K/V copies of batched decode attention were found).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the server decodes on cores - 1)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true", help="print the torch.profiler operator table")
+    ap.add_argument("--eager", action="store_true", help="no compile: time and profile the eager step only")
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
@@ -48,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
     B, S = a.batch, a.length
     t0 = time.perf_counter()
-    eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1), compile=True),
-                          scfg)
+    eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1),
+                                                compile=not a.eager), scfg)
     print(f"engine built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     runner = eng.runner
     cd = runner.compiled_decode
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         return dummy_decode_step(B, S)
 
     ids = torch.zeros(1, B, dtype=torch.long)
+    if a.eager:
+        _eager_only(lm, eng.runner, ids, step, a, wq)
+        return
     runner.kv.ensure_initialized(B, S)
     with torch.no_grad():
         for _ in range(10):
@@ -88,6 +95,33 @@ def main(argv: list[str] | None = None) -> None:
                     cd(ids, step(), runner.tap_layer)
             print(f"(totals over {n} steps)")
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def _eager_only(lm, runner, ids, step, a, wq) -> None:
+    """``--eager``: p50 / p90 of the eager step, and its operator table by input shape."""
+    runner.kv.ensure_initialized(a.batch, a.length)
+    fwd = lm.model.forward_step
+    for _ in range(10):
+        fwd(ids, step(), runner.kv, runner.tap_layer)
+    te = []
+    for _ in range(a.steps):
+        st = step()
+        t = time.perf_counter()
+        fwd(ids, st, runner.kv, runner.tap_layer)
+        te.append(time.perf_counter() - t)
+    te.sort()
+    print(f"eager decode step B={a.batch} S={a.length} weights {wq.label} threads={a.threads}: "
+          f"p50 {te[len(te) // 2] * 1e3:.2f} ms, p90 {te[int(len(te) * 0.9)] * 1e3:.2f} ms", flush=True)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        n = 10
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            for _ in range(n):
+                fwd(ids, step(), runner.kv, runner.tap_layer)
+        print(f"(totals over {n} steps)")
+        print(p.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15,
+                                                               max_shapes_column_width=60))
 
 
 if __name__ == "__main__":
