@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1),
                                                 compile=not a.eager), scfg)
-    print(f"engine built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"engine built{'' if a.eager else ' and compiled'} in {time.perf_counter() - t0:.0f} s", flush=True)
     runner = eng.runner
     cd = runner.compiled_decode
 
