@@ -386,3 +386,17 @@ def test_steer_of_the_wrong_json_type_names_the_accepted_values(url, value):
     assert "'source'" in err["message"], err["message"]
     assert post(url, A, a_body(steer="source+cad")).status_code == 200  # the server keeps serving
     assert post(url, O, o_body(steer=None)).status_code == 200  # null: the default, no steering
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "10"), ("max_tokens", 2.0),
+                                         ("temperature", True), ("temperature", "0.5"), ("top_p", False),
+                                         ("stream", "yes"), ("stream", 1), ("ignore_eos", "true")])
+def test_scalar_fields_of_the_wrong_json_type_are_400_naming_the_field(url, field, value):
+    """BUG: pydantic's lax mode read ``"max_tokens": true`` as 1 (200, one token) and ``"10"`` /
+    ``2.0`` as 10 / 2 (found by a new-user check; docs/api.md promises a 4xx naming the field)."""
+    msg = anthropic_error(post(url, A, a_body(**{field: value})), 400, "invalid_request_error")
+    assert field in msg, msg
+    openai_error(post(url, O, o_body(**{field: value})), 400, field)
+    # the JSON types themselves still pass, an integer where a number is asked for included
+    assert post(url, A, a_body(temperature=0, top_p=1, max_tokens=3, stream=False)).status_code == 200
+    assert post(url, O, o_body(temperature=1, top_p=1, max_tokens=3, seed=7)).status_code == 200

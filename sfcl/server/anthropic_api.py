@@ -27,7 +27,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import SteerValue
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SteerValue
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import named_event
 
@@ -52,19 +52,19 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[InputMessage]
-    max_tokens: int = Field(ge=1)
+    max_tokens: JsonInt = Field(ge=1)
     system: Union[str, list[TextBlock], None] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    temperature: Optional[JsonFloat] = Field(None, ge=0.0, le=1.0)
+    top_p: Optional[JsonFloat] = Field(None, gt=0.0, le=1.0)
     stop_sequences: Optional[list[str]] = None
-    stream: bool = False
+    stream: JsonBool = False
     metadata: Optional[dict[str, Any]] = None
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
     steer: SteerValue = Field(
         False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
         "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
         "mixture) or a '+' combination; header x-sfcl-steer wins")
-    ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
+    ignore_eos: JsonBool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 
 

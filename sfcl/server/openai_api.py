@@ -25,7 +25,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import SteerValue
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SteerValue
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import DONE, comment_event, data_event
 
@@ -49,29 +49,29 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: JsonBool = False
 
 
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    max_tokens: Optional[JsonInt] = Field(None, ge=1)
+    max_completion_tokens: Optional[JsonInt] = Field(None, ge=1)
+    temperature: Optional[JsonFloat] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[JsonFloat] = Field(None, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
-    stream: bool = False
+    stream: JsonBool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = None
-    seed: Optional[int] = None
+    n: Optional[JsonInt] = None
+    seed: Optional[JsonInt] = None
     user: Optional[str] = None  # accepted and ignored
     snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
     steer: SteerValue = Field(
         False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
         "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
         "mixture) or a '+' combination; header x-sfcl-steer wins")
-    ignore_eos: bool = Field(False, description="keep generating past end-of-turn tokens up to the token "
+    ignore_eos: JsonBool = Field(False, description="keep generating past end-of-turn tokens up to the token "
                              "limit (benchmarks; as in vLLM)")
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Union
 
 import anyio
 from fastapi import Request
-from pydantic import BaseModel, BeforeValidator, ValidationError
+from pydantic import BaseModel, BeforeValidator, Strict, ValidationError
 
 from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
@@ -43,6 +43,13 @@ def _steer_shape(value: Any) -> Any:
 
 # the request models' ``steer`` field (both APIs); its values are checked by ``resolve_steer``
 SteerValue = Annotated[Union[bool, str, list[str]], BeforeValidator(_steer_shape)]
+
+# Scalar request fields take only their JSON type (a 400 naming the field otherwise): pydantic's lax
+# mode would read ``"max_tokens": true`` as 1, ``"10"`` and ``2.0`` as 10 and 2, ``"stream": "yes"``
+# as true. A JSON integer is still a valid float.
+JsonInt = Annotated[int, Strict()]
+JsonFloat = Annotated[float, Strict()]
+JsonBool = Annotated[bool, Strict()]
 
 
 def new_id(prefix: str) -> str:
