@@ -347,8 +347,8 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
         toks.append(t)
         lps.append(logp.gather(1, t[:, None])[:, 0])
         dps.append(disp_t)
-        if i == max_new - 1:
-            break
+        if i == max_new - 1:  # the last token needs no forward (and a break would leave the bar at n - 1)
+            continue
         pos = lens + i  # (B,) position of the token fed now
         S = int(pos.max()) + 1
         kv.ensure_initialized(B, S)
