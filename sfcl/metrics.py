@@ -52,7 +52,8 @@ class PrometheusStatLogger:
         self._library_info: Info | None = None  # sfcl_anchor_library, made by the first set_library
         self.n_requests = 0
         self.n_tokens = 0
-        self.requests = Counter("sfcl_requests", "Ended requests by outcome (stop reason, error or aborted) and tag", ["status", "tag"], registry=r)
+        self.requests = Counter("sfcl_requests", "Ended requests by outcome (stop reason, error or aborted) and tag",
+                                ["status", "tag"], registry=r)
         self.prompt_tokens = Counter("sfcl_prompt_tokens", "Prompt tokens of finished requests", ["tag"], registry=r)
         self.generation_tokens = Counter("sfcl_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("sfcl_num_requests_running", "Requests in the decode batch", registry=r)

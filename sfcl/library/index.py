@@ -12,7 +12,6 @@ Two ways to search, both scoring against the library's stored float16 vectors in
 - **dense** (libraries under ``IVF_MIN_ANCHORS`` anchors, and every index built with
   ``approximate=False``): one matmul of the queries against a search copy of all vectors. A
   float32 copy is exact outright; a 16-bit copy (bfloat16 / float16) picks ``max(4k, k + 16)``
-  candidates.
   candidates, re-scored in float32 against the stored vectors.
 - **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): a faiss
   ``IndexIVFScalarQuantizer`` with float16 cell lists (inverted file over ``nlist`` k-means cells,
@@ -22,7 +21,8 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   Before 2026-12-04 the lists were float32 (``IndexIVFFlat``) and max(4k, k + 16) candidates were
   re-scored in torch; the same cells give the same top k, and dropping the re-score and half the
   list bytes took a one-row search right after 64 MB of other memory traffic (the cache state
-  after a forward) from 0.52 to ~0.2 ms (``scripts/anchor_search_bench.py``, docs/benchmarks.md).
+  after a forward) from 0.59 to 0.40 ms p50, 0.22 to 0.10 ms warm (``scripts/lookup_parts.py``,
+  AVX-512 BF16 EPYC, docs/benchmarks.md).
 
 The returned scores and their order are exact for the stored vectors (up to float32 summation
 order); what the approximate pass can do is miss a true top-k anchor. A row whose result comes back
