@@ -3,7 +3,9 @@
     python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
 
 Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
-faiss IVF scan alone (``index.ivf.search``, top ``--k`` direct), and an empty call, each once with
+faiss IVF scan alone (``index.ivf.search``, top ``--k`` direct), the hit's epilogue
+(``anchor_confidence_each`` over the found anchors' weights and decays, to lists, kind names) in
+numpy as ``Snapshotter.lookup`` does it and in torch, and an empty call, each once with
 warm caches and once right after copying ``--evict-mb`` MB (the memory traffic of a decode step,
 which is what the in-step lookup follows). Queries: library vectors plus noise (latency does not
 depend on what they are; recall is measured on real NDA states by ``scripts/anchor_search_bench.py``).
@@ -21,7 +23,9 @@ import numpy as np
 import torch
 
 from sfcl.library.index import AnchorIndex
+from sfcl.library.store import KIND_NAMES
 from sfcl.library.versions import load_library
+from sfcl.snapshot.triggers import anchor_confidence_each
 
 
 def timed(fn, reps: int, evict: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
@@ -52,10 +56,27 @@ def main() -> None:
     base = lib.vectors[torch.randint(0, lib.n_anchors, (a.reps,), generator=g)].float()
     q = base + 0.3 * base.std() * torch.randn(base.shape, generator=g)
     unit = [np.ascontiguousarray((r / r.norm()).numpy()[None]) for r in q]
+    found = [index.search(q[i:i + 1], a.k) for i in range(a.reps)]
+    w, d = lib.weights.float(), lib.decay.float()
+    w_np, d_np = w.numpy(), d.numpy()
+    kind_np = np.asarray(KIND_NAMES, dtype=object)[np.asarray(lib.kinds, dtype=np.int64)]
+
+    def epilogue_numpy(i: int) -> list:
+        s, ids = (t.numpy() for t in found[i])
+        conf = anchor_confidence_each(s, w_np[ids], d_np[ids])
+        return [s.tolist(), conf.tolist(), [kind_np[j] for j in ids[0].tolist()]]
+
+    def epilogue_torch(i: int) -> list:
+        s, ids = found[i]
+        conf = anchor_confidence_each(s, w[ids], d[ids])
+        return [s.tolist(), conf.tolist(), [lib.kind_name(j) for j in ids[0].tolist()]]
+
     src = torch.empty(a.evict_mb * 2**20 // 4)
     dst = torch.empty_like(src)
     cases = [("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
              (f"faiss IVF scan alone, top {a.k}", lambda i: index.ivf.search(unit[i], a.k)),
+             ("hit epilogue, numpy (the lookup's)", epilogue_numpy),
+             ("hit epilogue, torch", epilogue_torch),
              ("empty call", lambda i: None)]
     print(f"{lib.n_anchors} anchors, index {type(index.ivf).__name__}, nlist {index.ivf.nlist}, "
           f"nprobe {index.nprobe}, CPU {torch.backends.cpu.get_cpu_capability()}")
