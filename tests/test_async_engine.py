@@ -5,6 +5,8 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+from test_metrics import value
+
 from sfcl.engine.async_engine import EngineThread, QueueSink
 from sfcl.engine.events import ErrorEvent, Finished, Started, TextDelta
 
@@ -103,12 +105,7 @@ def test_empty_step_posts_nothing():
 
 
 def _requests_total(m, status: str, tag: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    for fam in text_string_to_metric_families(m.render().decode()):
-        for s in fam.samples:
-            if s.name == "sfcl_requests_total" and s.labels == {"status": status, "tag": tag}:
-                return s.value
-    return 0.0
+    return value(m.render().decode(), f'sfcl_requests_total{{status="{status}",tag="{tag}"}}')
 
 
 def test_a_client_abort_counts_as_an_aborted_request_once_and_an_unknown_id_not_at_all():
