@@ -61,6 +61,9 @@ class ModelConfig:
                              f"and FBGEMM fp16 CPU kernels); use --weight-quant auto or none with --device {self.device}")
 
 
+ATTENTION_KERNELS = ("auto", "torch")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     max_num_seqs: int = 16  # largest decode batch (KV slots)
@@ -84,6 +87,9 @@ class EngineConfig:
     # --systems sfcl-off,sfcl-triggered, 2-core AVX-512 BF16 EPYC, 2026-12-04; docs/benchmarks.md)
     overlap_lookup: bool = False
     shared_prefix_attention: bool = True  # decode rows sharing prefix-cache blocks read them once (scheduler.decode_groups)
+    # decode attention on the CPU: "auto" = sfcl's fused kernel (sfcl.model.decode_kernel; built with the
+    # machine's C++ compiler on first use, eager torch ops when it cannot be), "torch" = torch's operators
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 1:
@@ -97,6 +103,8 @@ class EngineConfig:
                              f"({self.block_size + self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {self.attention_kernel!r}")
         if self.compile and self.kv_cache_dtype == "int8":
             raise ValueError("--compile works with the bf16/fp32 KV cache, not --kv-cache-dtype int8")
         if self.price_per_hour < 0:

@@ -25,6 +25,7 @@ from sfcl.engine.scheduler import Scheduler, SchedulerConfig
 from sfcl.engine.threads import run_on_scratch_thread
 from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 from sfcl.library.versions import load_library
+from sfcl.model import decode_kernel
 from sfcl.metrics import PrometheusStatLogger
 from sfcl.model.hardware import has_native_bf16, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
@@ -140,6 +141,9 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
+    if ecfg.attention_kernel == "auto" and decode_kernel.supports(lm.args, kv) and decode_kernel.load():
+        kv.fused_decode = True
+        tagged_log("ENGINE", f"decode attention: SFCL's fused CPU kernel (ready in {decode_kernel.load_seconds():.1f} s)")
     cuda = torch.device(device).type == "cuda"
     graphs = DecodeGraphRunner(lm.model, kv, layer, capture=True) if cuda and not ecfg.enforce_eager else None
     compiled = None

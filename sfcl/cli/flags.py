@@ -71,6 +71,10 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shared-prefix-attention", action="store_true",
                    help="decode every row's attention over its own KV, even where decoding requests share "
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
+    p.add_argument("--attention-kernel", choices=["auto", "torch"], default="auto",
+                   help="CPU decode attention: auto = SFCL's fused kernel (compiled with the machine's C++ compiler "
+                        "on first use, ~11 s, cached in ~/.cache/sfcl/kernels; falls back to torch's operators "
+                        "when it cannot be built), torch = torch's operators")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
     p.add_argument("--overlap-lookup", action="store_true",
@@ -118,7 +122,8 @@ def configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig, SnapshotC
                       enforce_eager=getattr(a, "enforce_eager", False),
                       prefill_threads=getattr(a, "prefill_threads", None),
                       overlap_lookup=getattr(a, "overlap_lookup", False) and not getattr(a, "sync_lookup", False),
-                      shared_prefix_attention=not getattr(a, "no_shared_prefix_attention", False))
+                      shared_prefix_attention=not getattr(a, "no_shared_prefix_attention", False),
+                      attention_kernel=getattr(a, "attention_kernel", "auto"))
     sc = SnapshotConfig(anchors=a.anchors, default_mode=a.snapshot_mode, anchor_timeout_s=a.anchor_timeout,
                         anchor_retry=a.anchor_retry, anchor_optional=a.anchor_optional, layer=a.layer,
                         keyword_boost=getattr(a, "keyword_boost", None), steer_lambda_max=a.steer_lambda_max,

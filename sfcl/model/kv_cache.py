@@ -129,6 +129,9 @@ class KVCache:
             self.pool_ks = alloc((pool_blocks, nkv, hd), torch.bfloat16)
             self.pool_vs = alloc((pool_blocks, nkv, bs), torch.bfloat16)
         self.pool_blocks = pool_blocks
+        # Decode attention through sfcl's fused kernel (``sfcl.model.decode_kernel``): set by the
+        # engine once the kernel is loaded and ``decode_kernel.supports`` this cache; False: torch ops.
+        self.fused_decode = False
         # Positions [0, hwm[r]) of row r may hold written values; past it, lazy pages hold zeros and
         # torch.empty storage holds garbage. Decode attends to [0, S) for every row with masked
         # weights that are exactly 0, and 0 * NaN = NaN: uninitialized memory past a row's own

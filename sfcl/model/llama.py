@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sfcl.model import decode_kernel
+
 
 @dataclass(slots=True, frozen=True)
 class LlamaArgs:
@@ -131,7 +133,7 @@ class AttnBatch:
     slots: torch.Tensor  # (B,) int64 cache slot per sequence
     positions: torch.Tensor  # prefill: (T,) int64; decode: (B,) int64 — absolute positions of new tokens
     kv_len: int  # S: attend to cache positions [0, S) (prefill: start+T; decode: max(positions)+1)
-    mask: torch.Tensor | None = None  # decode: (B, 1, 1, S) bool, True = attend
+    mask: torch.Tensor | None = None  # decode: (B, 1, 1, S) bool, True = attend; row b: positions [0, positions[b]]
     slot_range: tuple[int, int] | None = None  # decode: slots are exactly range(a, b) -> views, no gather
     groups: list[RowGroup] | None = None  # decode: shared-prefix row groups covering every row (eager only)
 
@@ -239,6 +241,10 @@ class Attention(nn.Module):
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         g = nh // nkv
         S = batch.mask.shape[-1]  # == batch.kv_len; read off the tensor so a compiled step keeps B, S symbolic
+        if kv.fused_decode and batch.slot_range is not None and not batch.groups and not torch.compiler.is_compiling():
+            # one fused operator: writes K/V, attends each row to [0, positions[b]] (== the mask)
+            return decode_kernel.decode_attention(q, kv.k[layer], kv.v[layer], k, v, batch.positions,
+                                                  batch.slot_range[0], S, self.scale, want_probs)
         kv.write_decode(layer, batch.slots, batch.positions, k, v)  # (B, nkv, hd)
         # Grouped-query decode as batched matmul: on CPU this beats SDPA(enable_gqa) ~3x. Scores as
         # K q^T, not q K^T: the cache views are strided, which CPU bmm copies to contiguous first, and

@@ -1,0 +1,133 @@
+"""SFCL's fused CPU decode-attention kernel (``csrc/decode_attention.cpp``): build, load, call.
+
+``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
+eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
+scores, softmax, weights times V): one pass per (row, KV head) over the cache row in place,
+float32 accumulation, work split over torch's intra-op threads. Why: oneDNN's batched matmul
+copies the cache's strided K and V views to contiguous memory before multiplying (~11.5 of a
+92.5 ms 32-row step, ``docs/performance-journal.md``), and at one stream each of those operators
+costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
+
+The source is compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
+-march=native``; ~11 s on 2 cores) into ``~/.cache/sfcl/kernels/<name>``, where ``<name>``
+hashes the source, the compiler flags, torch's version and the CPU's flags, so a cache copied to
+a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
+False, says why once on stderr, and attention stays on the eager torch path.
+
+Scope: the bf16 / fp16 / fp32 KV cache (not the block-wise INT8 one), CPU, eager (not under
+``torch.compile``), head_dim 64 or 128, at most 8 query heads per KV head, decode rows in
+consecutive cache rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str, "seconds": float
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_name() -> str:
+    """Extension name: hashes what the binary depends on (source, flags, torch, CPU flags)."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+        h.update(part)
+    return f"sfcl_decode_attention_{h.hexdigest()[:16]}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SFCL_KERNEL_CACHE", Path.home() / ".cache" / "sfcl" / "kernels"))
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts it in the
+    environment's bin directory, which is not on PATH when ``sfcl`` is run without activating it."""
+    if shutil.which("ninja") is None:
+        for d in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+            if (d / "ninja").exists():
+                os.environ["PATH"] = f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
+                return
+
+
+def load(verbose: bool = True) -> bool:
+    """Build (first time on this machine kind) or load the kernel; True when
+    ``torch.ops.sfcl.decode_attention`` is callable. Thread-safe; decided once per process.
+    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention)."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("SFCL_DECODE_KERNEL", "1") == "0":
+            _state.update(ok=False, why="SFCL_DECODE_KERNEL=0")
+            return False
+        t0 = time.monotonic()
+        try:
+            from torch.utils.cpp_extension import load as cpp_load
+
+            _put_ninja_on_path()
+
+            name = build_name()
+            build = cache_root() / name
+            build.mkdir(parents=True, exist_ok=True)
+            cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
+                     is_python_module=False, verbose=False)
+            _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention"), why="", seconds=time.monotonic() - t0)
+        except Exception as e:  # no compiler, no ninja, a failed build: eager attention still works
+            _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+                          seconds=time.monotonic() - t0)
+            if verbose:
+                print(f"[ENGINE] fused decode attention unavailable ({_state['why']}); using torch's operators",
+                      file=sys.stderr, flush=True)
+        return bool(_state["ok"])
+
+
+def load_seconds() -> float:
+    """Seconds the first ``load`` took (build or cache hit); 0 before it ran."""
+    return float(_state.get("seconds", 0.0))
+
+
+def supports(args, kv) -> bool:
+    """Whether the kernel applies to this model and KV cache (shapes, dtype, device); says nothing
+    of whether it is built."""
+    g = args.n_heads // args.n_kv_heads
+    return (not kv.int8 and kv.k[0].device.type == "cpu" and args.head_dim in HEAD_DIMS and g <= MAX_GROUP
+            and kv.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+                     v_new: torch.Tensor, pos: torch.Tensor, row0: int, S: int, scale: float,
+                     want_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Write each row's new K/V and attend it to its own positions.
+
+    q: (B, nh, hd) new tokens' rotated queries (unit stride on hd); k_cache / v_cache: one layer's
+    contiguous (R, nkv, max_len, hd) cache; k_new / v_new: (B, nkv, hd); pos: (B,) int64 position
+    of each row's new token (row ``row0 + b`` attends to [0, pos[b]]); S: max(pos) + 1; scale:
+    the softmax scale (head_dim ** -0.5). All of q, cache and new K/V share one dtype.
+    Returns o (B, nh * hd) in that dtype and, with want_probs, the attention weights float32
+    (B, nh, 1, S), zero past each row's own length (else None). Raises RuntimeError on shapes or
+    dtypes it does not take."""
+    o, p = torch.ops.sfcl.decode_attention(q, k_cache, v_cache, k_new, v_new, pos, row0, S, scale, want_probs)
+    return o, (p if want_probs else None)

@@ -1,0 +1,154 @@
+"""SFCL's fused CPU decode-attention kernel (``sfcl.model.decode_kernel``, ``csrc/decode_attention.cpp``)
+against ``Attention.decode_attn``'s torch path, and inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sfcl.model import decode_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not decode_kernel.load():
+        pytest.skip(f"the kernel could not be built here: {decode_kernel._state.get('why')}")
+    return decode_kernel
+
+
+def _cache_with_history(a, dtype, rows: int, max_len: int, S: int, gen):
+    from sfcl.model.kv_cache import KVCache
+
+    kv = KVCache(a, rows, max_len, dtype)
+    kv.ensure_initialized(rows, max_len)
+    nkv, hd = a.n_kv_heads, a.head_dim
+    for pos in range(S - 1):
+        kv.write_decode(0, torch.arange(rows), torch.full((rows,), pos),
+                        torch.randn(rows, nkv, hd, generator=gen).to(dtype), torch.randn(rows, nkv, hd, generator=gen).to(dtype))
+    return kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("row0, lens", [(0, [37]), (0, [39, 12, 26, 1]), (2, [5, 40])])  # every length mod 4
+def test_fused_decode_attention_matches_the_torch_path(kernel, lm, dtype, row0, lens):
+    """Same outputs, weights and cache writes as the eager operators: rows at an offset in the
+    cache, each attending to its own length (down to a single position), probs zero past it."""
+    from sfcl.model.llama import Attention, AttnBatch
+
+    a = lm.args
+    attn = Attention(a)
+    nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    gen = torch.Generator().manual_seed(0)
+    B, S = len(lens), max(lens)
+    lens_t = torch.tensor(lens)
+    q = torch.randn(B, nh, hd, generator=gen).to(dtype)
+    k, v = (torch.randn(B, nkv, hd, generator=gen).to(dtype) for _ in range(2))
+    mask = (torch.arange(S)[None, :] < lens_t[:, None]).view(B, 1, 1, S)
+    out = {}
+    for fused in (False, True):
+        kv = _cache_with_history(a, dtype, row0 + B + 1, 64, S, torch.Generator().manual_seed(1))
+        kv.fused_decode = fused
+        batch = AttnBatch(is_prefill=False, slots=torch.arange(row0, row0 + B), positions=lens_t - 1, kv_len=S,
+                          mask=mask, slot_range=(row0, row0 + B))
+        o, p = attn.decode_attn(q, k, v, batch, kv, 0, True)
+        out[fused] = (o, p, kv.k[0].clone(), kv.v[0].clone())
+    (o0, p0, k0, v0), (o1, p1, k1, v1) = out[False], out[True]
+    assert o1.dtype == dtype and o1.shape == (B, nh * hd) and p1.shape == (B, nh, 1, S) and p1.dtype == torch.float32
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(o1.float(), o0.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(p1, p0, atol=1e-5, rtol=1e-4)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)  # the new K/V written at each row's position
+    for b, n in enumerate(lens):
+        assert (p1[b, :, 0, n:] == 0).all() and torch.allclose(p1[b, :, 0, :n].sum(-1), torch.ones(nh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd, nkv, g", [(64, 2, 1), (64, 1, 4), (64, 2, 6), (128, 2, 3), (128, 1, 8)])
+def test_fused_decode_attention_head_shapes_against_float64(kernel, dtype, hd, nkv, g):
+    """Every head shape the kernel takes (its specialised paths for head_dim 64 and 1-4 query heads
+    per KV head, and the generic one) against attention computed in float64 from the same inputs."""
+    gen = torch.Generator().manual_seed(3)
+    B, L = 3, 80
+    pos = torch.tensor([70, 2, 33])
+    S = int(pos.max()) + 1
+    kc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    vc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    q = torch.randn(B, nkv * g, hd, generator=gen).to(dtype)
+    kn, vn = (torch.randn(B, nkv, hd, generator=gen).to(dtype) for _ in range(2))
+    ref_k, ref_v = kc.double().clone(), vc.double().clone()
+    ref_k[torch.arange(B), :, pos] = kn.double()
+    ref_v[torch.arange(B), :, pos] = vn.double()
+    o, p = kernel.decode_attention(q, kc, vc, kn, vn, pos, 0, S, hd ** -0.5, True)
+    for b in range(B):
+        n = int(pos[b]) + 1
+        qb = q[b].double().view(nkv, g, hd)
+        w = (torch.einsum("hgd,hsd->hgs", qb, ref_k[b, :, :n]) * hd ** -0.5).softmax(-1)  # (nkv, g, n)
+        ob = torch.einsum("hgs,hsd->hgd", w, ref_v[b, :, :n]).reshape(-1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(o[b].double(), ob, atol=tol, rtol=tol)
+        torch.testing.assert_close(p[b, :, 0, :n].double(), w.reshape(nkv * g, n), atol=1e-5, rtol=1e-4)
+        assert (p[b, :, 0, n:] == 0).all()
+    assert torch.equal(kc[torch.arange(B), :, pos], kn) and torch.equal(vc[torch.arange(B), :, pos], vn)
+
+
+def test_fused_decode_attention_without_probs_and_strided_inputs(kernel, lm):
+    """q, k, v as the projections give them (views into one qkv row, strided across heads) and no
+    weights asked for: the output equals that of contiguous copies."""
+    a = lm.args
+    nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    gen = torch.Generator().manual_seed(2)
+    B, S = 3, 20
+    kv = _cache_with_history(a, torch.float32, B + 1, 32, S, gen)
+    qkv = torch.randn(B, (nh + 2 * nkv) * hd, generator=gen)
+    q = qkv[:, :nh * hd].view(B, nh, hd)
+    k = qkv[:, nh * hd:(nh + nkv) * hd].view(B, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd:].view(B, nkv, hd)
+    pos = torch.tensor([19, 10, 4])
+    kc, vc = kv.k[0].clone(), kv.v[0].clone()
+    o, p = kernel.decode_attention(q, kv.k[0], kv.v[0], k, v, pos, 0, S, hd ** -0.5, False)
+    o2, _ = kernel.decode_attention(q.contiguous(), kc, vc, k.contiguous(), v.contiguous(), pos, 0, S, hd ** -0.5, True)
+    assert p is None
+    torch.testing.assert_close(o, o2, atol=0, rtol=0)
+
+
+def test_fused_decode_attention_rejects_what_it_does_not_take(kernel, lm):
+    a = lm.args
+    nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    kc = torch.zeros(3, nkv, 16, hd)
+    q, k = torch.zeros(2, nh, hd), torch.zeros(2, nkv, hd)
+    pos = torch.tensor([3, 4])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.decode_attention(q.bfloat16(), kc, kc.clone(), k, k, pos, 0, 5, 0.125, False)
+    with pytest.raises(RuntimeError, match="positions"):
+        kernel.decode_attention(q, kc, kc.clone(), k, k, torch.tensor([3, 5]), 0, 5, 0.125, False)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        kernel.decode_attention(q, kc, kc.clone(), k, k, pos, 2, 5, 0.125, False)
+
+
+def test_supports_only_the_16_and_32_bit_cpu_cache(lm):
+    from sfcl.model.kv_cache import KVCache
+
+    assert decode_kernel.supports(lm.args, KVCache(lm.args, 2, 32, torch.bfloat16))
+    assert not decode_kernel.supports(lm.args, KVCache(lm.args, 2, 32, torch.bfloat16, kv_dtype="int8"))
+
+
+def test_engine_greedy_answers_equal_with_and_without_the_kernel(kernel, lm_fp32):
+    """The engine (batched decode, rows finishing at different steps, the snapshot layer's weights)
+    gives the same greedy tokens with the fused kernel as with torch's operators, float32."""
+    from sfcl.config import EngineConfig
+    from sfcl.engine.engine import run_to_completion
+    from sfcl.engine.events import TextDelta
+    from sfcl.engine.request import SamplingParams
+    from sfcl.engine_stack import make_llm_engine
+
+    prompts = ["The term of this Agreement shall be", "Confidential Information means", "1, 2, 3, 4,",
+               "The Receiving Party shall not disclose"]
+    ids = [lm_fp32.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    texts = {}
+    for mode in ("torch", "auto"):
+        eng = make_llm_engine(lm_fp32, None, EngineConfig(max_num_seqs=4, max_model_len=256, attention_kernel=mode))
+        assert eng.runner.kv.fused_decode == (mode == "auto")
+        evs = run_to_completion(eng, [(p, SamplingParams(max_tokens=8 + 6 * i, temperature=0.0))
+                                      for i, p in enumerate(ids)])
+        texts[mode] = ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in evs]
+    assert all(texts["torch"]) and texts["auto"] == texts["torch"]
