@@ -120,7 +120,7 @@ void attend(const T* q, int64_t q_head_stride, const T* kr, const T* vr, int64_t
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 // bf16 cache on a CPU with AVX-512 BF16: scores with vdpbf16ps (bf16 pairs multiplied exactly,
 // accumulated in float32; q is already bf16, so nothing is rounded that the generic path keeps),
 // weights times V with V widened to float32 in registers and the g heads' outputs held in 4 g
