@@ -26,6 +26,12 @@ ENV_VARS = (
     ("SFCL_CACHE_DIR", "`sfcl.config.default_cache_dir`",
      "Cache of converted weights and built anchor libraries (default `~/.cache/sfcl`); "
      "`--cache-dir` overrides it."),
+    ("SFCL_DECODE_KERNEL", "`sfcl.model.decode_kernel.load`",
+     "`0`: never build or load SFCL's fused CPU decode-attention kernel (torch's operators, as "
+     "`--attention-kernel torch`)."),
+    ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
+     "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
+     "flags, torch version and CPU-flags hash)."),
     ("SFCL_DATA_DIR", "`sfcl.config.contractnli_path` (bench long-document workload, `sfcl eval`, scripts, tests)",
      "Folder holding `contractnli/dev.json`; default: `../shared/data` beside the checkout."),
     ("SFCL_LLAMA_SERVER", "`sfcl llama-server`, `sfcl bench --systems ...,llama-server`",

@@ -141,7 +141,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
-    if ecfg.attention_kernel == "auto" and decode_kernel.supports(lm.args, kv) and decode_kernel.load():
+    if ecfg.attention_kernel == "auto" and decode_kernel.supports(lm.args, kv) \
+            and decode_kernel.load(cache_dir=scfg.cache_dir):
         kv.fused_decode = True
         tagged_log("ENGINE", f"decode attention: SFCL's fused CPU kernel (ready in {decode_kernel.load_seconds():.1f} s)")
     cuda = torch.device(device).type == "cuda"

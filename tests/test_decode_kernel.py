@@ -152,3 +152,28 @@ def test_engine_greedy_answers_equal_with_and_without_the_kernel(kernel, lm_fp32
                                       for i, p in enumerate(ids)])
         texts[mode] = ["".join(e.text for e in ev if isinstance(e, TextDelta)) for ev in evs]
     assert all(texts["torch"]) and texts["auto"] == texts["torch"]
+
+
+def _load_in_subprocess(tmp_path, env_extra: dict, code_prefix: str = ""):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SFCL_KERNEL_CACHE": str(tmp_path / "kernels"), **env_extra}
+    code = (code_prefix + "import sfcl.model.decode_kernel as d\n"
+            "ok = d.load()\nprint('LOADED' if ok else 'NOT LOADED', d._state.get('why'))\n")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_kernel_can_be_turned_off_by_environment(tmp_path):
+    r = _load_in_subprocess(tmp_path, {"SFCL_DECODE_KERNEL": "0"})
+    assert r.returncode == 0 and "NOT LOADED SFCL_DECODE_KERNEL=0" in r.stdout
+    assert not (tmp_path / "kernels").exists()  # nothing was built
+
+
+def test_failed_build_falls_back_with_one_line_on_stderr(tmp_path):
+    """A build that fails (here: a compiler flag g++ rejects) leaves attention on torch's
+    operators and says why, instead of failing the server's start."""
+    r = _load_in_subprocess(tmp_path, {}, "import sfcl.model.decode_kernel as d\nd.CFLAGS = ['-fno-such-flag-sfcl']\n")
+    assert r.returncode == 0 and "NOT LOADED" in r.stdout
+    assert "[ENGINE] fused decode attention unavailable" in r.stderr and "using torch's operators" in r.stderr

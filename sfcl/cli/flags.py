@@ -73,7 +73,7 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
     p.add_argument("--attention-kernel", choices=["auto", "torch"], default="auto",
                    help="CPU decode attention: auto = SFCL's fused kernel (compiled with the machine's C++ compiler "
-                        "on first use, ~11 s, cached in ~/.cache/sfcl/kernels; falls back to torch's operators "
+                        "on first use, ~11 s, cached in the cache dir's kernels/; falls back to torch's operators "
                         "when it cannot be built), torch = torch's operators")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")

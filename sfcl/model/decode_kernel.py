@@ -9,7 +9,7 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
 The source is compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
--march=native``; ~11 s on 2 cores) into ``~/.cache/sfcl/kernels/<name>``, where ``<name>``
+-march=native``; ~11 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
 hashes the source, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from sfcl.config import default_cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
@@ -59,8 +61,12 @@ def build_name() -> str:
     return f"sfcl_decode_attention_{h.hexdigest()[:16]}"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SFCL_KERNEL_CACHE", Path.home() / ".cache" / "sfcl" / "kernels"))
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where builds go: ``$SFCL_KERNEL_CACHE``, else ``<cache_dir>/kernels`` (the server's
+    ``--cache-dir``; default ``$SFCL_CACHE_DIR`` or ~/.cache/sfcl)."""
+    if os.environ.get("SFCL_KERNEL_CACHE"):
+        return Path(os.environ["SFCL_KERNEL_CACHE"])
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "kernels"
 
 
 def _put_ninja_on_path() -> None:
@@ -73,10 +79,10 @@ def _put_ninja_on_path() -> None:
                 return
 
 
-def load(verbose: bool = True) -> bool:
+def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
     """Build (first time on this machine kind) or load the kernel; True when
     ``torch.ops.sfcl.decode_attention`` is callable. Thread-safe; decided once per process.
-    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention)."""
+    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention). cache_dir: see ``cache_root``."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -90,7 +96,7 @@ def load(verbose: bool = True) -> bool:
             _put_ninja_on_path()
 
             name = build_name()
-            build = cache_root() / name
+            build = cache_root(cache_dir) / name
             build.mkdir(parents=True, exist_ok=True)
             cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
                      is_python_module=False, verbose=False)
