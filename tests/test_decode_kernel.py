@@ -123,6 +123,12 @@ def test_fused_decode_attention_rejects_what_it_does_not_take(kernel, lm):
         kernel.decode_attention(q, kc, kc.clone(), k, k, torch.tensor([3, 5]), 0, 5, 0.125, False)
     with pytest.raises(RuntimeError, match="rows out of range"):
         kernel.decode_attention(q, kc, kc.clone(), k, k, pos, 2, 5, 0.125, False)
+    with pytest.raises(RuntimeError, match="k_new, v_new"):
+        kernel.decode_attention(q, kc, kc.clone(), k[..., :32], k[..., :32], pos, 0, 5, 0.125, False)
+    with pytest.raises(RuntimeError, match=r"S must lie in \[1, max_len\]"):
+        kernel.decode_attention(q, kc, kc.clone(), k, k, pos, 0, 17, 0.125, False)
+    o, p = kernel.decode_attention(q[:0], kc, kc.clone(), k[:0], k[:0], pos[:0], 0, 5, 0.125, True)  # no rows
+    assert o.shape == (0, nh * hd) and p.shape == (0, nh, 1, 5)
 
 
 def test_supports_only_the_16_and_32_bit_cpu_cache(lm):

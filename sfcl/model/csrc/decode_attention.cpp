@@ -65,6 +65,21 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// sc[0, n) <- exp(sc - max(sc)); returns 1 / their sum (the softmax's normaliser).
+inline float softmax_unnormalised(float* sc, int64_t n) {
+  float m = sc[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t s = 1; s < n; ++s) m = std::max(m, sc[s]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t s = 0; s < n; ++s) {
+    float e = exp_nonpositive(sc[s] - m);
+    sc[s] = e;
+    sum += e;
+  }
+  return 1.0f / sum;
+}
+
 template <typename T, int HD>
 void attend(const T* q, int64_t q_head_stride, const T* kr, const T* vr, int64_t n, int64_t g, float scale,
             float* scores, float* probs_out, int64_t S, T* out) {
@@ -86,18 +101,7 @@ void attend(const T* q, int64_t q_head_stride, const T* kr, const T* vr, int64_t
   }
   float inv[8];
   for (int64_t j = 0; j < g; ++j) {
-    float* sc = scores + j * n;
-    float m = sc[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t s = 1; s < n; ++s) m = std::max(m, sc[s]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t s = 0; s < n; ++s) {
-      float e = exp_nonpositive(sc[s] - m);
-      sc[s] = e;
-      sum += e;
-    }
-    inv[j] = 1.0f / sum;
+    inv[j] = softmax_unnormalised(scores + j * n, n);
   }
   float of[8][HD];
   for (int64_t j = 0; j < g; ++j)
@@ -277,17 +281,7 @@ void attend_f32_avx2(const float* q, int64_t q_head_stride, const float* kr, con
     }
   for (int j = 0; j < G; ++j) {
     float* sc = scores + j * n;
-    float m = sc[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 1; t < n; ++t) m = std::max(m, sc[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      float e = exp_nonpositive(sc[t] - m);
-      sc[t] = e;
-      sum += e;
-    }
-    const float inv = 1.0f / sum;
+    const float inv = softmax_unnormalised(sc, n);
     __m256 o[8];
     for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
@@ -367,14 +361,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == hd && nh % nkv == 0 && nh / nkv <= 8, "head shapes do not match");
   TORCH_CHECK(q.stride(2) == 1 && k_new.stride(2) == 1 && v_new.stride(2) == 1, "head_dim must be the unit stride");
-  TORCH_CHECK(k_new.size(0) == B && k_new.size(1) == nkv && v_new.sizes() == k_new.sizes(), "k_new, v_new: (B, nkv, head_dim)");
+  TORCH_CHECK(k_new.size(0) == B && k_new.size(1) == nkv && k_new.size(2) == hd && v_new.sizes() == k_new.sizes(),
+              "k_new, v_new: (B, nkv, head_dim)");
+  TORCH_CHECK(S >= 1 && S <= k_cache.size(2), "S must lie in [1, max_len]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type() &&
                   v_new.scalar_type() == k_cache.scalar_type(), "q, k_new, v_new and the cache share one dtype");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(), "pos: (B,) int64");
   TORCH_CHECK(row0 >= 0 && row0 + B <= k_cache.size(0), "rows out of range");
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < S && S <= k_cache.size(2), "positions must lie in [0, S), S <= max_len");
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "positions must lie in [0, S)");
   at::Tensor out = at::empty({B, nh * hd}, q.options());
   at::Tensor probs = want_probs ? at::empty({B, nh, 1, S}, q.options().dtype(at::kFloat)) : at::empty({0}, q.options().dtype(at::kFloat));
   float* pr = want_probs ? probs.data_ptr<float>() : nullptr;
