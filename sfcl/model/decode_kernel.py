@@ -98,6 +98,9 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
             name = build_name()
             build = cache_root(cache_dir) / name
             build.mkdir(parents=True, exist_ok=True)
+            if verbose and not (build / f"{name}.so").exists():
+                print("[ENGINE] compiling SFCL's decode-attention kernel with the C++ compiler "
+                      "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
             cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
                      is_python_module=False, verbose=False)
             _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention"), why="", seconds=time.monotonic() - t0)
