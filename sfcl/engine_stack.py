@@ -141,10 +141,17 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
-    if ecfg.attention_kernel == "auto" and decode_kernel.supports(lm.args, kv) \
-            and decode_kernel.load(cache_dir=scfg.cache_dir):
-        kv.fused_decode = True
-        tagged_log("ENGINE", f"decode attention: SFCL's fused CPU kernel (ready in {decode_kernel.load_seconds():.1f} s)")
+    if torch.device(device).type == "cpu":
+        if ecfg.attention_kernel != "auto":
+            why = f"--attention-kernel {ecfg.attention_kernel}"
+        elif not decode_kernel.supports(lm.args, kv):
+            why = "the kernel does not take this KV cache (INT8) or head shape"
+        elif decode_kernel.load(cache_dir=scfg.cache_dir):
+            kv.fused_decode, why = True, ""
+        else:
+            why = decode_kernel.why_unavailable()
+        tagged_log("ENGINE", f"decode attention: SFCL's fused CPU kernel (ready in {decode_kernel.load_seconds():.1f} s)"
+                   if kv.fused_decode else f"decode attention: torch's operators ({why})")
     cuda = torch.device(device).type == "cuda"
     graphs = DecodeGraphRunner(lm.model, kv, layer, capture=True) if cuda and not ecfg.enforce_eager else None
     compiled = None

@@ -127,6 +127,13 @@ def test_fused_decode_attention_rejects_what_it_does_not_take(kernel, lm):
         kernel.decode_attention(q, kc, kc.clone(), k[..., :32], k[..., :32], pos, 0, 5, 0.125, False)
     with pytest.raises(RuntimeError, match=r"S must lie in \[1, max_len\]"):
         kernel.decode_attention(q, kc, kc.clone(), k, k, pos, 0, 17, 0.125, False)
+    with pytest.raises(RuntimeError, match="rows out of range"):  # row0 + B would overflow int64
+        kernel.decode_attention(q, kc, kc.clone(), k, k, pos, 2 ** 63 - 1, 5, 0.125, False)
+    with pytest.raises(RuntimeError, match="head shapes"):  # no KV heads: no division by zero
+        kernel.decode_attention(q, torch.zeros(3, 0, 16, hd), torch.zeros(3, 0, 16, hd), k[:, :0], k[:, :0], pos, 0, 5,
+                                0.125, False)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.decode_attention(q, kc, kc.bfloat16(), k, k, pos, 0, 5, 0.125, False)
     o, p = kernel.decode_attention(q[:0], kc, kc.clone(), k[:0], k[:0], pos[:0], 0, 5, 0.125, True)  # no rows
     assert o.shape == (0, nh * hd) and p.shape == (0, nh, 1, 5)
 
@@ -184,3 +191,21 @@ def test_failed_build_falls_back_with_one_line_on_stderr(tmp_path):
     assert r.returncode == 0 and "NOT LOADED" in r.stdout
     assert "[ENGINE] compiling SFCL's decode-attention kernel" in r.stderr  # a fresh cache: says it compiles
     assert "[ENGINE] fused decode attention unavailable" in r.stderr and "using torch's operators" in r.stderr
+
+
+def test_a_finished_build_loads_without_the_builder_or_its_lock(tmp_path):
+    """Once built, later starts load the library as it is: a stale ``lock`` from a killed build
+    (on which torch's builder waits forever) and a leftover build folder change nothing, and the
+    builder is not run at all (so a read-only cache or another ninja on PATH does not matter)."""
+    first = _load_in_subprocess(tmp_path, {})
+    assert first.returncode == 0 and first.stdout.startswith("LOADED"), first.stdout + first.stderr
+    [built] = [d for d in (tmp_path / "kernels").iterdir() if ".tmp-" not in d.name]
+    assert [f.name for f in built.iterdir()] == [built.name + ".so"]  # the build folder was cleaned up
+    (built / "lock").write_text("")  # what a killed torch build leaves behind
+    (tmp_path / "kernels" / (built.name + ".tmp-1-x")).mkdir()
+    (tmp_path / "kernels" / (built.name + ".tmp-1-x") / "lock").write_text("")
+    second = _load_in_subprocess(tmp_path, {}, "import torch.utils.cpp_extension as c\n"
+                                               "def no(*a, **k): raise AssertionError('builder ran')\n"
+                                               "c.load = no\n")
+    assert second.returncode == 0 and second.stdout.startswith("LOADED"), second.stdout + second.stderr
+    assert "compiling" not in second.stderr

@@ -80,9 +80,16 @@ def _put_ninja_on_path() -> None:
 
 
 def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
-    """Build (first time on this machine kind) or load the kernel; True when
+    """Load the kernel, building it first if this machine kind has no build yet; True when
     ``torch.ops.sfcl.decode_attention`` is callable. Thread-safe; decided once per process.
-    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention). cache_dir: see ``cache_root``."""
+    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention). cache_dir: see ``cache_root``.
+
+    A finished build (``<cache_root>/<name>/<name>.so``) is loaded as it is, with no lock, no
+    ninja and no write, so a read-only cache works and switching ninja versions rebuilds nothing.
+    A build runs in a folder of its own (``<name>.tmp-<pid>-<random>``) and its library is moved
+    into place with an atomic rename, so concurrent first starts each build and one wins, and a
+    build killed part-way leaves no lock that a later start would wait on forever (torch's own
+    builder waits on a stale ``lock`` file without a timeout)."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -91,26 +98,51 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
             return False
         t0 = time.monotonic()
         try:
-            from torch.utils.cpp_extension import load as cpp_load
-
-            _put_ninja_on_path()
-
             name = build_name()
-            build = cache_root(cache_dir) / name
-            build.mkdir(parents=True, exist_ok=True)
-            if verbose and not (build / f"{name}.so").exists():
-                print("[ENGINE] compiling SFCL's decode-attention kernel with the C++ compiler "
-                      "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
-            cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
-                     is_python_module=False, verbose=False)
+            final = cache_root(cache_dir) / name / f"{name}.so"
+            if final.exists():
+                torch.ops.load_library(str(final))
+            else:
+                _build(name, final, verbose)  # also loads it (from the build folder)
             _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention"), why="", seconds=time.monotonic() - t0)
-        except Exception as e:  # no compiler, no ninja, a failed build: eager attention still works
-            _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+        except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
+            text = str(e).strip()
+            _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
                           seconds=time.monotonic() - t0)
             if verbose:
                 print(f"[ENGINE] fused decode attention unavailable ({_state['why']}); using torch's operators",
                       file=sys.stderr, flush=True)
         return bool(_state["ok"])
+
+
+def _build(name: str, final: Path, verbose: bool) -> None:
+    """Compile the source, load the library, and move it to ``final`` (see ``load``). Raises
+    RuntimeError when there is no C++ compiler, and whatever torch's builder raises when the build
+    fails."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load as cpp_load
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
+    _put_ninja_on_path()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print("[ENGINE] compiling SFCL's decode-attention kernel with the C++ compiler "
+              "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
+    try:
+        cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(work),
+                 is_python_module=False, verbose=False)  # builds and loads it from `work`
+        os.replace(work / f"{name}.so", final)  # atomic on one file system; a concurrent winner is fine
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def why_unavailable() -> str:
+    """Why ``load`` returned False ("" when it loaded or has not run)."""
+    return str(_state.get("why", ""))
 
 
 def load_seconds() -> float:

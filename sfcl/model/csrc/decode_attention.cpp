@@ -359,15 +359,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "k_cache, v_cache: contiguous (rows, nkv, max_len, head_dim)");
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == hd && nh % nkv == 0 && nh / nkv <= 8, "head shapes do not match");
+  TORCH_CHECK(nkv > 0 && k_cache.size(3) == hd && nh % nkv == 0 && nh / nkv <= 8, "head shapes do not match");
   TORCH_CHECK(q.stride(2) == 1 && k_new.stride(2) == 1 && v_new.stride(2) == 1, "head_dim must be the unit stride");
   TORCH_CHECK(k_new.size(0) == B && k_new.size(1) == nkv && k_new.size(2) == hd && v_new.sizes() == k_new.sizes(),
               "k_new, v_new: (B, nkv, head_dim)");
   TORCH_CHECK(S >= 1 && S <= k_cache.size(2), "S must lie in [1, max_len]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type() &&
-                  v_new.scalar_type() == k_cache.scalar_type(), "q, k_new, v_new and the cache share one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_new.scalar_type() == k_cache.scalar_type() && v_new.scalar_type() == k_cache.scalar_type(),
+              "q, k_new, v_new and the cache share one dtype");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == B && pos.is_contiguous(), "pos: (B,) int64");
-  TORCH_CHECK(row0 >= 0 && row0 + B <= k_cache.size(0), "rows out of range");
+  TORCH_CHECK(row0 >= 0 && row0 <= k_cache.size(0) - B, "rows out of range");  // no overflow of row0 + B
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "positions must lie in [0, S)");
