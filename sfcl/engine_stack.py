@@ -25,8 +25,8 @@ from sfcl.engine.scheduler import Scheduler, SchedulerConfig
 from sfcl.engine.threads import run_on_scratch_thread
 from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 from sfcl.library.versions import load_library
-from sfcl.model import decode_kernel
 from sfcl.metrics import PrometheusStatLogger
+from sfcl.model import decode_kernel
 from sfcl.model.hardware import has_native_bf16, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model

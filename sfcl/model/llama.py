@@ -235,7 +235,9 @@ class Attention(nn.Module):
         """B sequences, one new token each. q (B, nh, hd), k/v (B, nkv, hd). bias: the additive
         float32 (B, 1, 1, S) form of ``batch.mask`` (``decode_bias``, built once per step by the
         caller; else built here). Returns o (B, nh * hd) and probs (None, or float32
-        (B, nh, 1, S))."""
+        (B, nh, 1, S)). With ``kv.fused_decode`` (CPU, set by the engine) rows in a slot range
+        without shared-prefix groups go through SFCL's fused kernel (``sfcl.model.decode_kernel``);
+        the torch operators below do the same arithmetic otherwise."""
         a = self.a
         B = q.shape[0]
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
