@@ -12,7 +12,7 @@ from sfcl.model import decode_kernel
 @pytest.fixture(scope="module")
 def kernel():
     if not decode_kernel.load():
-        pytest.skip(f"the kernel could not be built here: {decode_kernel._state.get('why')}")
+        pytest.skip(f"the kernel could not be built here: {decode_kernel.why_unavailable()}")
     return decode_kernel
 
 

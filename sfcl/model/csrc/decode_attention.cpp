@@ -10,7 +10,7 @@
 // at::parallel_for (torch's own intra-op thread pool).
 //
 // Registered as torch.ops.sfcl.decode_attention; the Python side (sfcl/model/decode_kernel.py)
-// builds this file with torch.utils.cpp_extension and checks shapes before calling.
+// builds and loads this file with torch.utils.cpp_extension; decode_attention below checks its inputs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,16 +48,18 @@ inline void load_row(const c10::Half* src, float* dst, int64_t n) {
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-6 polynomial;
 // ~1 ulp), written so that the compiler vectorizes the loop that calls it.
+constexpr float kExpMin = -87.0f;  // exp(-87) ~ 1.6e-38, still a normal float
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = kLn2Hi + kLn2Lo
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  float n = __builtin_rintf(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpMin ? kExpMin : x;
+  float n = __builtin_rintf(x * kLog2e);
+  float r = x - n * kLn2Hi - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
@@ -78,6 +80,25 @@ inline float softmax_unnormalised(float* sc, int64_t n) {
     sum += e;
   }
   return 1.0f / sum;
+}
+
+// probs_out[0, S) <- the normalised weights of positions [0, n), zeros after (one query head).
+inline void write_probs(const float* e, float inv, int64_t n, int64_t S, float* probs_out) {
+  for (int64_t s = 0; s < n; ++s) probs_out[s] = e[s] * inv;
+  for (int64_t s = n; s < S; ++s) probs_out[s] = 0.0f;
+}
+
+// Calls f(std::integral_constant<int, G>{}) for g = G in 1..4 (the specialised paths keep g heads'
+// queries and outputs in registers); false for other g.
+template <typename F>
+inline bool with_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    default: return false;
+  }
 }
 
 template <typename T, int HD>
@@ -116,19 +137,11 @@ void attend(const T* q, int64_t q_head_stride, const T* kr, const T* vr, int64_t
   }
   for (int64_t j = 0; j < g; ++j) {
     for (int d = 0; d < HD; ++d) out[j * HD + d] = static_cast<T>(of[j][d] * inv[j]);
-    if (probs_out != nullptr) {
-      float* pr = probs_out + j * S;
-      for (int64_t s = 0; s < n; ++s) pr[s] = scores[j * n + s] * inv[j];
-      for (int64_t s = n; s < S; ++s) pr[s] = 0.0f;
-    }
+    if (probs_out != nullptr) write_probs(scores + j * n, inv[j], n, S, probs_out + j * S);
   }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
-// bf16 cache on a CPU with AVX-512 BF16: scores with vdpbf16ps (bf16 pairs multiplied exactly,
-// accumulated in float32; q is already bf16, so nothing is rounded that the generic path keeps),
-// weights times V with V widened to float32 in registers and the g heads' outputs held in 4 g
-// registers.
 // sc[0, n) <- exp(sc - max(sc)); returns 1 / their sum. exp as exp_nonpositive, 16 lanes at a time,
 // the last block masked; 2^n applied with vscalefps.
 inline float softmax_unnormalised_avx512(float* sc, int64_t n) {
@@ -142,17 +155,13 @@ inline float softmax_unnormalised_avx512(float* sc, int64_t n) {
   for (int64_t s = 0; s < n; s += 16) {
     const __mmask16 k = n - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - s)) - 1);
     __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), m);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(t, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(t, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(t, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(t, _mm512_set1_ps(kLn2Lo), r);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     const __m512 e = _mm512_scalef_ps(p, t);
     _mm512_mask_storeu_ps(sc + s, k, e);
@@ -161,6 +170,10 @@ inline float softmax_unnormalised_avx512(float* sc, int64_t n) {
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+// bf16 cache on a CPU with AVX-512 BF16: scores with vdpbf16ps (bf16 pairs multiplied exactly,
+// accumulated in float32; q is already bf16, so nothing is rounded that the generic path keeps),
+// weights times V with V widened to float32 in registers and the g heads' outputs held in 4 g
+// registers.
 template <int G>
 void attend_bf16_avx512(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* kr,
                         const c10::BFloat16* vr, int64_t n, float scale, float* scores, float* probs_out,
@@ -226,24 +239,14 @@ void attend_bf16_avx512(const c10::BFloat16* q, int64_t q_head_stride, const c10
       __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(o[j][c], iv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 64 + 16 * c), (__m256i)b);
     }
-    if (probs_out != nullptr) {
-      float* pr = probs_out + j * S;
-      for (int64_t s = 0; s < n; ++s) pr[s] = scores[j * n + s] * inv[j];
-      for (int64_t s = n; s < S; ++s) pr[s] = 0.0f;
-    }
+    if (probs_out != nullptr) write_probs(scores + j * n, inv[j], n, S, probs_out + j * S);
   }
 }
 
 inline bool attend_fast(const c10::BFloat16* q, int64_t qs, const c10::BFloat16* kr, const c10::BFloat16* vr,
                         int64_t n, int64_t g, float scale, float* scores, float* probs, int64_t S,
                         c10::BFloat16* out, std::integral_constant<int, 64>) {
-  switch (g) {
-    case 1: attend_bf16_avx512<1>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 2: attend_bf16_avx512<2>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 3: attend_bf16_avx512<3>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 4: attend_bf16_avx512<4>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    default: return false;
-  }
+  return with_group(g, [&](auto G) { attend_bf16_avx512<G.value>(q, qs, kr, vr, n, scale, scores, probs, S, out); });
 }
 #endif
 
@@ -290,24 +293,14 @@ void attend_f32_avx2(const float* q, int64_t q_head_stride, const float* kr, con
     }
     const __m256 iv = _mm256_set1_ps(inv);
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + j * 64 + 8 * c, _mm256_mul_ps(o[c], iv));
-    if (probs_out != nullptr) {
-      float* pr = probs_out + j * S;
-      for (int64_t t = 0; t < n; ++t) pr[t] = sc[t] * inv;
-      for (int64_t t = n; t < S; ++t) pr[t] = 0.0f;
-    }
+    if (probs_out != nullptr) write_probs(sc, inv, n, S, probs_out + j * S);
   }
 }
 
 inline bool attend_fast(const float* q, int64_t qs, const float* kr, const float* vr, int64_t n, int64_t g,
                         float scale, float* scores, float* probs, int64_t S, float* out,
                         std::integral_constant<int, 64>) {
-  switch (g) {
-    case 1: attend_f32_avx2<1>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 2: attend_f32_avx2<2>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 3: attend_f32_avx2<3>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    case 4: attend_f32_avx2<4>(q, qs, kr, vr, n, scale, scores, probs, S, out); return true;
-    default: return false;
-  }
+  return with_group(g, [&](auto G) { attend_f32_avx2<G.value>(q, qs, kr, vr, n, scale, scores, probs, S, out); });
 }
 #endif
 
