@@ -99,30 +99,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def _eager_only(lm, runner, ids, step, a, wq) -> None:
     """``--eager``: p50 / p90 of the eager step, and its operator table by input shape. When the
-    engine loaded SFCL's fused decode-attention kernel (``sfcl.model.decode_kernel``), steps with
-    it and with torch's attention operators alternate, and both are printed."""
+    engine loaded SFCL's fused kernels (``sfcl.model.decode_kernel``), three variants alternate
+    step by step and all are printed: every layer in one C++ call (``sfcl.model.decode_stack``),
+    the fused attention kernel inside the Python forward, and torch's operators throughout."""
     runner.kv.ensure_initialized(a.batch, a.length)
     fwd = lm.model.forward_step
     kv = runner.kv
-    variants = [True, False] if kv.fused_decode else [False]
+    names = {(True, True): "fused layers + attention", (True, False): "fused attention only",
+             (False, False): "torch ops"}
+    variants = list(names) if kv.fused_decode else [(False, False)]
     for _ in range(10):
-        for f in variants:
-            kv.fused_decode = f
+        for fd, fl in variants:
+            kv.fused_decode, kv.fused_layers = fd, fl
             fwd(ids, step(), kv, runner.tap_layer)
-    times: dict[bool, list[float]] = {f: [] for f in variants}
+    times: dict[tuple, list[float]] = {v: [] for v in variants}
     for _ in range(a.steps):
-        for f in variants:
-            kv.fused_decode = f
+        for v in variants:
+            kv.fused_decode, kv.fused_layers = v
             st = step()
             t = time.perf_counter()
             fwd(ids, st, kv, runner.tap_layer)
-            times[f].append(time.perf_counter() - t)
-    kv.fused_decode = variants[0]
-    for f, te in times.items():
+            times[v].append(time.perf_counter() - t)
+    kv.fused_decode, kv.fused_layers = variants[0]
+    for v, te in times.items():
         te.sort()
         print(f"eager decode step B={a.batch} S={a.length} weights {wq.label} threads={a.threads} "
-              f"attention {'fused kernel' if f else 'torch ops'}: "
-              f"p50 {te[len(te) // 2] * 1e3:.2f} ms, p90 {te[int(len(te) * 0.9)] * 1e3:.2f} ms", flush=True)
+              f"{names[v]}: p50 {te[len(te) // 2] * 1e3:.2f} ms, p90 {te[int(len(te) * 0.9)] * 1e3:.2f} ms", flush=True)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -61,7 +61,7 @@ class ModelConfig:
                              f"and FBGEMM fp16 CPU kernels); use --weight-quant auto or none with --device {self.device}")
 
 
-ATTENTION_KERNELS = ("auto", "torch")
+ATTENTION_KERNELS = ("auto", "attention", "torch")
 
 
 @dataclass(slots=True)
@@ -87,8 +87,10 @@ class EngineConfig:
     # --systems sfcl-off,sfcl-triggered, 2-core AVX-512 BF16 EPYC, 2026-12-04; docs/benchmarks.md)
     overlap_lookup: bool = False
     shared_prefix_attention: bool = True  # decode rows sharing prefix-cache blocks read them once (scheduler.decode_groups)
-    # decode attention on the CPU: "auto" = sfcl's fused kernel (sfcl.model.decode_kernel; built with the
-    # machine's C++ compiler on first use, eager torch ops when it cannot be), "torch" = torch's operators
+    # decode on the CPU: "auto" = sfcl's fused kernels (sfcl.model.decode_kernel: attention, and every layer
+    # of a decode-only step in one call, sfcl.model.decode_stack; built with the machine's C++ compiler on
+    # first use, eager torch ops when it cannot be), "attention" = the fused attention kernel only (layers
+    # as torch operators called from Python), "torch" = torch's operators
     attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:

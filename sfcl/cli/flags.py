@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sfcl.config import DTYPE_CHOICES, SNAPSHOT_MODES, EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
+from sfcl.config import ATTENTION_KERNELS, DTYPE_CHOICES, SNAPSHOT_MODES, EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
 
 FMT = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # **FMT on every add_parser
 
@@ -71,10 +71,11 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shared-prefix-attention", action="store_true",
                    help="decode every row's attention over its own KV, even where decoding requests share "
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
-    p.add_argument("--attention-kernel", choices=["auto", "torch"], default="auto",
-                   help="CPU decode attention: auto = SFCL's fused kernel (compiled with the machine's C++ compiler "
-                        "on first use, ~11 s, cached in the cache dir's kernels/; falls back to torch's operators "
-                        "when it cannot be built), torch = torch's operators")
+    p.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="auto",
+                   help="CPU decode: auto = SFCL's fused kernels, attention plus every layer of a decode-only step in "
+                        "one C++ call (compiled with the machine's C++ compiler on first use, ~20 s, cached in the "
+                        "cache dir's kernels/; falls back to torch's operators when they cannot be built), "
+                        "attention = the fused attention kernel only, torch = torch's operators")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads for steps computing >= 64 prompt tokens (default: all cores)")
     p.add_argument("--overlap-lookup", action="store_true",

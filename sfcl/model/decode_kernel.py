@@ -34,7 +34,9 @@ import torch
 
 from sfcl.config import default_cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp")  # one library; see also sfcl.model.decode_stack
+HEADERS = (CSRC / "sfcl_kernels.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
@@ -56,9 +58,10 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """Extension name: hashes what the binary depends on (source, flags, torch, CPU flags)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
         h.update(part)
-    return f"sfcl_decode_attention_{h.hexdigest()[:16]}"
+    return f"sfcl_kernels_{h.hexdigest()[:16]}"
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -104,7 +107,7 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
                 torch.ops.load_library(str(final))
             else:
                 _build(name, final, verbose)  # also loads it (from the build folder)
-            _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention"), why="", seconds=time.monotonic() - t0)
+            _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention") and hasattr(torch.ops.sfcl, "decode_layers"), why="", seconds=time.monotonic() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
             text = str(e).strip()
             _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
@@ -133,7 +136,7 @@ def _build(name: str, final: Path, verbose: bool) -> None:
               "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:
-        cpp_load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(work),
+        cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(work),
                  is_python_module=False, verbose=False)  # builds and loads it from `work`
         os.replace(work / f"{name}.so", final)  # atomic on one file system; a concurrent winner is fine
     finally:

@@ -132,6 +132,9 @@ class KVCache:
         # Decode attention through sfcl's fused kernel (``sfcl.model.decode_kernel``): set by the
         # engine once the kernel is loaded and ``decode_kernel.supports`` this cache; False: torch ops.
         self.fused_decode = False
+        # The decoder layers of decode-only steps in one C++ call (``sfcl.model.decode_stack``, same
+        # library as the attention kernel): set by the engine with fused_decode unless told otherwise.
+        self.fused_layers = False
         # Positions [0, hwm[r]) of row r may hold written values; past it, lazy pages hold zeros and
         # torch.empty storage holds garbage. Decode attends to [0, S) for every row with masked
         # weights that are exactly 0, and 0 * NaN = NaN: uninitialized memory past a row's own

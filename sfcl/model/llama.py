@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sfcl.model import decode_kernel
+from sfcl.model import decode_kernel, decode_stack
 
 
 @dataclass(slots=True, frozen=True)
@@ -471,6 +471,14 @@ class LlamaModel(nn.Module):
         end a prompt cost no lm_head."""
         h = self.embed_tokens(ids[0])  # (N, H): 2-D activations, so no linear layer reshapes
         cos, sin = self.rope(step.positions, h.dtype)  # (N, 1, hd)
+        if decode_stack.applies(step, kv):  # decode rows only: every layer in one C++ call
+            out = decode_stack.run(self, h, cos[:, 0], sin[:, 0], step, kv, tap_layer)
+            if out is not None:
+                h, tap_hidden, tap_p = out  # (N, H), (N, H), (N, nh, 1, S)
+                hs = h[step.sample_index]  # (M, H)
+                logits = self.lm_head(self.norm(hs)).float()  # (M, V)
+                return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=[tap_p],
+                               tap_states=tap_hidden if step.keep_tap_states else None)
         cos, sin = cos[None], sin[None]  # (1, N, 1, hd)
         # masks once per step, not per layer
         bias = decode_bias(step.decode.mask) if step.n_decode > 1 else None

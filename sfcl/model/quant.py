@@ -99,6 +99,17 @@ def prompt_rows_dense(active: bool = True):
         _dense_only -= 1
 
 
+def weights_version(model: nn.Module) -> int:
+    """How many times ``quantize_weights`` swapped ``model``'s projections (0: never); callers that
+    cache references to the projection weights key their caches on it."""
+    return model.__dict__.get("_sfcl_weights_version", 0)
+
+
+def dense_only() -> bool:
+    """Whether the caller is inside ``prompt_rows_dense`` (every ``QuantLinear`` multiplies densely)."""
+    return _dense_only > 0
+
+
 @functools.cache
 def fp16_gemm_available() -> bool:
     """Whether this torch build has FBGEMM's fp16-weight GEMM (x86 CPU wheels do; ARM builds do
@@ -243,10 +254,21 @@ class QuantLinear(nn.Module):
             return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
         return _int4_kernel_weight(q, self.scales_and_zeros).to(dt)  # fp32 math, one rounding, like the kernel
 
+    def path(self, rows: int) -> str:
+        """Which multiplication ``forward`` runs for ``rows`` input rows: ``packed`` (the int8 / int4
+        kernel), ``fp16`` (the ``Fp16Linear`` copy), ``dense`` (``F.linear`` with the kept copy)
+        or ``dequant`` (``F.linear`` with the weight dequantized for the call)."""
+        if rows <= self.max_rows and not _dense_only:
+            return "packed"
+        if self.dense_fp16 is not None:
+            return "fp16"
+        return "dense" if self.dense_weight is not None else "dequant"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, K)
-        if x2.shape[0] <= self.max_rows and not _dense_only:
+        path = self.path(x2.shape[0])
+        if path == "packed":
             xk = x2.to(KERNEL_DTYPE).contiguous()
             if self.mode == "int8":
                 y = torch._weight_int8pack_mm(xk, self.qweight, self.scales)  # (M, N)
@@ -255,7 +277,7 @@ class QuantLinear(nn.Module):
             y = y.to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
-        elif self.dense_fp16 is not None:
+        elif path == "fp16":
             y = self.dense_fp16(x2)
             if self.bias is not None:
                 y = y + self.bias
@@ -320,6 +342,7 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
                     setattr(parent, name, swap(lin, mode))
     if head != "none" and isinstance(model.lm_head, nn.Linear):
         model.lm_head = swap(model.lm_head, head)
+    model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
     return model
 
 

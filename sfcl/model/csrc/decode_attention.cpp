@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "sfcl_kernels.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -344,6 +346,10 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   });
 }
 
+}  // namespace
+
+namespace sfcl {
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& k_new,
                                                     const at::Tensor& v_new, const at::Tensor& pos, int64_t row0,
@@ -382,11 +388,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {out, probs};
 }
 
-}  // namespace
+}  // namespace sfcl
 
 TORCH_LIBRARY(sfcl, m) {
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, Tensor pos, "
         "int row0, int S, float scale, bool want_probs) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("decode_attention", &sfcl::decode_attention); }

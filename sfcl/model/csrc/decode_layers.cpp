@@ -1,0 +1,270 @@
+// The decoder layers of one decode-only engine step in one call (torch.ops.sfcl.decode_layers), CPU.
+//
+// What sfcl.model.llama.LlamaModel.forward_step computes for B decode rows between the embedding
+// and the final norm, layer by layer: RMSNorm, the fused q/k/v projection, rotary embedding,
+// decode attention over the KV cache (sfcl::decode_attention, which also writes the new K/V),
+// the output projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up,
+// the down projection and residual. The projections are torch's own kernels called from C++
+// (the packed int4 / int8 GEMVs of sfcl.model.quant.QuantLinear, or at::linear for a dense
+// weight); the element-wise steps between them are single loops here, rounding to the model
+// dtype after each operation exactly where the torch operators do (bf16: x * cos, swapped * sin
+// and their sum are each rounded), so the result matches the Python forward up to the order of
+// float32 sums in RMSNorm and the exp in SiLU.
+//
+// Why: at one stream a step of SmolLM2-135M is ~2,000 small torch operators called from Python
+// (~68 per layer), which cost about as much as the weights' GEMVs themselves
+// (docs/performance-journal.md); here a layer is five kernel calls and a few loops.
+//
+// Scope (checked by sfcl/model/decode_stack.py before calling): Llama-family blocks without
+// per-head q/k norms, head_dim 64 or 128, a KV cache decode_attention takes, rows in consecutive
+// cache rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "sfcl_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Element conversions written so that loops over them vectorise (bf16 <-> float by bit shifts,
+// round to nearest even as c10::BFloat16 does, NaN kept as NaN).
+inline float to_f(c10::BFloat16 v) {
+  uint32_t u = uint32_t(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f(float v) { return v; }
+inline float to_f(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_f(float f);
+template <>
+inline float from_f<float>(float f) { return f; }
+template <>
+inline c10::Half from_f<c10::Half>(float f) { return c10::Half(f); }
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint16_t r = f != f ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(r, c10::BFloat16::from_bits());
+}
+// The value a torch operator producing dtype T would store: float32 passes through.
+template <typename T>
+inline float rnd(float f) { return to_f(from_f<T>(f)); }
+
+// exp(x) for x <= 0, vectorisable (Cephes expf, as in decode_attention.cpp).
+inline float exp_nonpositive(float x) {
+  constexpr float kExpMin = -87.0f, kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  x = x < kExpMin ? kExpMin : x;
+  float n = __builtin_rintf(x * kLog2e);
+  float r = x - n * kLn2Hi - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, 4);
+  return p * two_n;
+}
+
+// silu(x) = x / (1 + exp(-x)), from exp of -|x| only (no overflow either side).
+inline float silu(float x) {
+  float e = exp_nonpositive(x < 0.0f ? x : -x);
+  return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
+// Rows [0, B) of f(b), split over torch's intra-op threads once the step has enough elements.
+template <typename F>
+inline void for_rows(int64_t B, int64_t row_elems, F&& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f(b);
+  });
+}
+
+// out = RMSNorm(x) * w, per row of H (sfcl.model.llama.RMSNorm: float32 statistics; a 16-bit model
+// rounds the normalised row before the weight multiplies it, float32 is F.rms_norm).
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int64_t B, int64_t H, float eps) {
+  for_rows(B, H, [&](int64_t b) {
+    const T* xr = x + b * H;
+    T* o = out + b * H;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) o[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(xr[i]) * r));
+  });
+}
+
+// h += a, per element, rounded to T (the residual add).
+template <typename T>
+void add_(T* h, const T* a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] = from_f<T>(to_f(h[i]) + to_f(a[i]));
+}
+
+// Rotary embedding in place on the first nrot heads of each row of qkv (B, W), half-split layout:
+// x * cos + swapped * sin with swapped = (x2, x1) and sin = (-sin, sin) (sfcl.model.llama.apply_rope).
+template <typename T>
+void rope_(T* qkv, int64_t B, int64_t W, int64_t nrot, int64_t hd, const T* cos, const T* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    const T* c = cos + b * hd;
+    const T* s = sin + b * hd;
+    for (int64_t h = 0; h < nrot; ++h) {
+      T* x = qkv + b * W + h * hd;
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
+        const float o1 = rnd<T>(x1 * to_f(c[j])) + rnd<T>(x2 * to_f(s[j]));
+        const float o2 = rnd<T>(x2 * to_f(c[j + half])) + rnd<T>(x1 * to_f(s[j + half]));
+        x[j] = from_f<T>(o1);
+        x[j + half] = from_f<T>(o2);
+      }
+    }
+  }
+}
+
+// act (B, I) = silu(gu[:, :I]) * gu[:, I:], each operation rounded to T (F.silu(gate) * up).
+template <typename T>
+void silu_mul(const T* gu, T* act, int64_t B, int64_t I) {
+  for_rows(B, 2 * I, [&](int64_t b) {
+    const T* g = gu + b * 2 * I;
+    const T* u = g + I;
+    T* o = act + b * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(rnd<T>(silu(to_f(g[i]))) * to_f(u[i]));
+  });
+}
+
+// Weight layouts of one projection (sfcl.model.decode_stack.KIND_*).
+constexpr int64_t kDense = 0, kInt8 = 1, kInt4 = 2;
+constexpr int64_t kInt4Group = 32;  // sfcl.model.quant.INT4_GROUP
+
+// y (B, N) = x (B, K) W^T (+ bias), as sfcl.model.quant.QuantLinear.forward computes it for the path
+// given by kind: the packed kernels take bf16 activations (cast in and out), dense is at::linear.
+at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& s,
+                   const c10::optional<at::Tensor>& bias) {
+  if (kind == kDense) return at::linear(x, w, bias);
+  at::Tensor xk = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+  at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(xk, w, s) : at::_weight_int4pack_mm_for_cpu(xk, w, kInt4Group, s);
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+  if (bias.has_value() && bias->defined()) y = y + *bias;
+  return y;
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
+    const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
+    at::TensorList weights, at::TensorList scales, const c10::List<c10::optional<at::Tensor>>& biases,
+    at::IntArrayRef kinds, at::TensorList k_cache, at::TensorList v_cache, const at::Tensor& pos, int64_t row0,
+    int64_t S, double scale, double eps, int64_t n_heads, int64_t tap_layer, bool want_probs) {
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  const int64_t B = h_in.size(0), H = h_in.size(1);
+  const int64_t nkv = k_cache[0].size(1), hd = k_cache[0].size(3);
+  const int64_t W = (n_heads + 2 * nkv) * hd;
+  at::Tensor h = h_in.clone();  // (B, H) residual stream, updated in place
+  at::Tensor xn = at::empty_like(h);
+  at::Tensor tap_hidden = at::empty({0}, h.options()), tap_probs = at::empty({0}, h.options().dtype(at::kFloat));
+  T* hp = h.data_ptr<T>();
+  T* xp = xn.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t p = 4 * l;
+    // attention
+    rms_norm<T>(hp, norms[2 * l].data_ptr<T>(), xp, B, H, e);
+    at::Tensor qkv = project(xn, kinds[p], weights[p], scales[p], biases.get(p)).contiguous();  // (B, W)
+    TORCH_CHECK(qkv.size(1) == W, "layer ", l, ": q/k/v projection gives ", qkv.size(1), " features, not ", W);
+    rope_<T>(qkv.data_ptr<T>(), B, W, n_heads + nkv, hd, cp, sp);
+    at::Tensor q = qkv.narrow(1, 0, n_heads * hd).view({B, n_heads, hd});
+    at::Tensor kn = qkv.narrow(1, n_heads * hd, nkv * hd).view({B, nkv, hd});
+    at::Tensor vn = qkv.narrow(1, (n_heads + nkv) * hd, nkv * hd).view({B, nkv, hd});
+    const bool probs_here = want_probs && l == tap_layer;
+    auto [o, pr] = sfcl::decode_attention(q, k_cache[l], v_cache[l], kn, vn, pos, row0, S, scale, probs_here);
+    at::Tensor a = project(o, kinds[p + 1], weights[p + 1], scales[p + 1], biases.get(p + 1)).contiguous();  // (B, H)
+    add_<T>(hp, a.data_ptr<T>(), B * H);
+    // MLP
+    rms_norm<T>(hp, norms[2 * l + 1].data_ptr<T>(), xp, B, H, e);
+    at::Tensor gu = project(xn, kinds[p + 2], weights[p + 2], scales[p + 2], biases.get(p + 2)).contiguous();  // (B, 2 I)
+    const int64_t I = gu.size(1) / 2;
+    at::Tensor act = at::empty({B, I}, h.options());
+    silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, I);
+    at::Tensor d = project(act, kinds[p + 3], weights[p + 3], scales[p + 3], biases.get(p + 3)).contiguous();  // (B, H)
+    add_<T>(hp, d.data_ptr<T>(), B * H);
+    if (l == tap_layer) {
+      tap_hidden = h.clone();
+      if (probs_here) tap_probs = pr;
+    }
+  }
+  return {h, tap_hidden, tap_probs};
+}
+
+}  // namespace
+
+namespace sfcl {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
+    at::TensorList scales, const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
+    at::TensorList k_cache, at::TensorList v_cache, const at::Tensor& pos, int64_t row0, int64_t S, double scale,
+    double eps, int64_t n_heads, int64_t tap_layer, bool want_probs) {
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  TORCH_CHECK(L > 0 && v_cache.size() == k_cache.size(), "k_cache, v_cache: one tensor per layer, as many of each");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L, "norms: 2 per layer (input, post-attention)");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(scales.size()) == 4 * L &&
+                  static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(kinds.size()) == 4 * L,
+              "weights, scales, biases, kinds: 4 per layer (qkv, o, gate_up, down)");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h: contiguous (B, hidden)");
+  const int64_t B = h.size(0), H = h.size(1), hd = k_cache[0].size(3);
+  TORCH_CHECK(B > 0, "no rows");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == hd && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                  sin.is_contiguous() && cos.scalar_type() == h.scalar_type() && sin.scalar_type() == h.scalar_type(),
+              "cos, sin: contiguous (B, head_dim) in h's dtype");
+  TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
+  for (int64_t i = 0; i < 2 * L; ++i)
+    TORCH_CHECK(norms[i].dim() == 1 && norms[i].size(0) == H && norms[i].is_contiguous() &&
+                    norms[i].scalar_type() == h.scalar_type(), "norm weights: contiguous (hidden,) in h's dtype");
+  for (int64_t i = 0; i < 4 * L; ++i)
+    TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt8 || kinds[i] == kInt4, "kinds: 0 dense, 1 int8, 2 int4");
+  TORCH_CHECK(tap_layer < L, "tap_layer out of range");
+  switch (h.scalar_type()) {
+    case at::kBFloat16:
+      return run_layers<c10::BFloat16>(h, cos, sin, norms, weights, scales, biases, kinds, k_cache, v_cache, pos, row0, S,
+                                       scale, eps, n_heads, tap_layer, want_probs);
+    case at::kFloat:
+      return run_layers<float>(h, cos, sin, norms, weights, scales, biases, kinds, k_cache, v_cache, pos, row0, S, scale,
+                               eps, n_heads, tap_layer, want_probs);
+    case at::kHalf:
+      return run_layers<c10::Half>(h, cos, sin, norms, weights, scales, biases, kinds, k_cache, v_cache, pos, row0, S,
+                                   scale, eps, n_heads, tap_layer, want_probs);
+    default:
+      TORCH_CHECK(false, "dtype must be bfloat16, float16 or float32");
+  }
+}
+
+}  // namespace sfcl
+
+TORCH_LIBRARY_FRAGMENT(sfcl, m) {
+  m.def("decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] scales, "
+        "Tensor?[] biases, int[] kinds, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor pos, int row0, int S, "
+        "float scale, float eps, int n_heads, int tap_layer, bool want_probs) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("decode_layers", &sfcl::decode_layers); }

@@ -1,0 +1,194 @@
+"""sfcl.model.decode_stack (``torch.ops.sfcl.decode_layers``, ``csrc/decode_layers.cpp``): a
+decode-only step's layers in one C++ call, against ``LlamaModel.forward_step``'s Python forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sfcl.model import decode_kernel, decode_stack
+from sfcl.model.kv_cache import KVCache
+from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel, StepBatch
+from sfcl.model.quant import quantize_weights
+
+PROMPTS = ["The term of this Agreement shall be three (3) years from the Effective Date.",
+           "Confidential Information means any information disclosed by either party",
+           "1. Definitions. In this Agreement:", "The Receiving Party shall not disclose"]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not decode_kernel.load():
+        pytest.skip(f"the kernels could not be built here: {decode_kernel.why_unavailable()}")
+    return decode_kernel
+
+
+def _prefilled(model, args, dtype, prompts: list[list[int]], tap: int) -> KVCache:
+    """A KV cache whose rows [0, B) hold the prompts, computed by the Python forward."""
+    kv = KVCache(args, len(prompts) + 1, 128, dtype)
+    kv.ensure_initialized(len(prompts), 128)
+    for slot, ids in enumerate(prompts):
+        T = len(ids)
+        model(torch.tensor([ids]), AttnBatch(is_prefill=True, slots=torch.tensor([slot]), positions=torch.arange(T),
+                                             kv_len=T), kv, tap)
+    return kv
+
+
+def _decode_step(prompts: list[list[int]]) -> StepBatch:
+    """One decode row per prompt, each at the position after its prompt."""
+    B = len(prompts)
+    pos = torch.tensor([len(p) for p in prompts])
+    S = int(pos.max()) + 1
+    mask = (torch.arange(S)[None, :] <= pos[:, None]).view(B, 1, 1, S)
+    return StepBatch(positions=pos.clone(), chunks=[], sample_index=torch.arange(B),
+                     decode=AttnBatch(is_prefill=False, slots=torch.arange(B), positions=pos, kv_len=S, mask=mask,
+                                      slot_range=(0, B)))
+
+
+def _both_ways(model, args, dtype, prompts, next_ids, tap):
+    """forward_step of one decode step with the layers in Python and in decode_layers, each on its
+    own prefilled cache: {fused: (StepOut, kv)}."""
+    out = {}
+    for fused in (False, True):
+        kv = _prefilled(model, args, dtype, prompts, tap)  # the Python forward both times: the same cache
+        kv.fused_decode, kv.fused_layers = True, fused
+        so = model.forward_step(torch.tensor([next_ids]), _decode_step(prompts), kv, tap)
+        out[fused] = (so, kv)
+    return out
+
+
+@pytest.mark.parametrize("weights", ["none", "int4", "int8"])
+@pytest.mark.parametrize("B", [1, 3, 8])  # 8 > max_rows: the dense copies of the quantized weights
+def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B):
+    """Same logits (to rounding), tap hidden state, snapshot-layer weights and K/V writes as the
+    Python forward, on the bundled model over real prompts, in float32 and the CPU's dtype."""
+    for m in {id(lm): lm, id(lm_fp32): lm_fp32}.values():
+        model = copy.deepcopy(m.model)
+        quantize_weights(model, weights)
+        dtype = next(model.parameters()).dtype
+        prompts = [m.tokenizer(PROMPTS[i % 4], add_special_tokens=False)["input_ids"][: 6 + 3 * i] for i in range(B)]
+        nxt = [p[-1] for p in prompts]
+        tap = 22
+        r = _both_ways(model, m.args, dtype, prompts, nxt, tap)
+        (s0, kv0), (s1, kv1) = r[False], r[True]
+        assert s1.logits.shape == s0.logits.shape == (B, m.args.vocab_size) and s1.logits.dtype == torch.float32
+        assert s1.tap_hidden.shape == (B, m.args.hidden_size) and s1.tap_hidden.dtype == dtype
+        assert len(s1.tap_probs) == 1 and s1.tap_probs[0].shape == s0.tap_probs[0].shape
+        # The sums of RMSNorm and the exp of SiLU round differently from torch's operators (the other
+        # element-wise steps round as they do); where the packed kernels take bf16 activations, or the
+        # model is bf16, a last-bit difference can flip a bf16 rounding that the layers carry forward.
+        diff = float((s1.logits - s0.logits).abs().max())
+        assert diff <= 0.05 * float(s0.logits.std())
+        top2 = s0.logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # rows whose greedy token no rounding could change
+        assert torch.equal(s1.logits.argmax(-1)[clear], s0.logits.argmax(-1)[clear])
+        torch.testing.assert_close(s1.tap_probs[0], s0.tap_probs[0], atol=0.02, rtol=0.05)
+        torch.testing.assert_close(s1.tap_hidden.float(), s0.tap_hidden.float(), atol=0.1 * float(s0.tap_hidden.float().std()), rtol=0.05)
+        for layer in (0, 15, m.args.n_layers - 1):  # the new tokens' K/V were written at their positions
+            for c0, c1 in ((kv0.k[layer], kv1.k[layer]), (kv0.v[layer], kv1.v[layer])):
+                torch.testing.assert_close(c1[:B, :, :40].float(), c0[:B, :, :40].float(), atol=0.1, rtol=0.05)
+            assert torch.equal(kv1.k[layer][:B, :, 0], kv0.k[layer][:B, :, 0])  # prompt positions untouched
+
+
+def _tiny(attention_bias: bool, qk_norm: bool = False, seed: int = 0) -> LlamaModel:
+    a = LlamaArgs(model_type="qwen2" if attention_bias else "llama", vocab_size=200, hidden_size=128,
+                  intermediate_size=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  max_position_embeddings=512, tie_word_embeddings=False, attention_bias=attention_bias,
+                  qk_norm=qk_norm)
+    torch.manual_seed(seed)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
+    m = LlamaModel(a, inv)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.05) if "norm" not in name else p.uniform_(0.8, 1.2)
+    return m.eval()
+
+
+@pytest.mark.parametrize("weights", ["none", "int4"])
+def test_projection_biases_are_added(kernel, weights):
+    """Qwen2-style q/k/v biases (large here, so that dropping one would show)."""
+    m = _tiny(attention_bias=True)
+    with torch.no_grad():
+        for blk in m.layers:
+            blk.self_attn.qkv_proj.bias.normal_(0, 1.0)
+    quantize_weights(m, weights)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    r = _both_ways(m, m.a, torch.float32, prompts, [1, 2], 1)
+    torch.testing.assert_close(r[True][0].logits, r[False][0].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(r[True][0].tap_hidden, r[False][0].tap_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_models_and_weights_it_does_not_take_run_the_python_forward(kernel):
+    """Per-head q/k norms (Qwen3) and FBGEMM fp16 projections: layer_args is None and forward_step
+    computes the step the Python way, with the same results as with the fused layers off."""
+    qwen3 = _tiny(attention_bias=False, qk_norm=True)
+    assert decode_stack.layer_args(qwen3, 1) is None
+    fp16 = _tiny(attention_bias=False)
+    assert decode_stack.layer_args(fp16, 1) is not None
+    quantize_weights(fp16, "fp16")  # bumps the weights version: the cached entry is not reused
+    assert decode_stack.layer_args(fp16, 1) is None
+    for m in (qwen3, fp16):
+        r = _both_ways(m, m.a, torch.float32, [[3, 4, 5]], [6], 0)
+        assert torch.equal(r[True][0].logits, r[False][0].logits)
+
+
+def test_cached_arguments_follow_a_weight_swap(kernel):
+    m = _tiny(attention_bias=False)
+    before = decode_stack.layer_args(m, 1)
+    assert before.kinds == [decode_stack.KIND_DENSE] * 8
+    quantize_weights(m, "int4")
+    after = decode_stack.layer_args(m, 1)
+    assert after.kinds == [decode_stack.KIND_INT4] * 8
+    assert decode_stack.layer_args(m, 7).kinds == [decode_stack.KIND_DENSE] * 8  # above max_rows: the dense copies
+    assert decode_stack.layer_args(copy.deepcopy(m), 1) is not after  # a copy gets its own tensors
+
+
+def test_steps_with_prompt_chunks_or_groups_do_not_apply():
+    from sfcl.model.llama import ChunkSpec, RowGroup
+
+    kv = KVCache(_tiny(False).a, 2, 32, torch.float32)
+    kv.fused_layers = True
+    step = _decode_step([[1, 2], [3]])
+    assert decode_stack.applies(step, kv)
+    step.chunks = [ChunkSpec(slot=1, start=0, offset=2, length=3)]
+    assert not decode_stack.applies(step, kv)
+    step = _decode_step([[1, 2], [3]])
+    step.decode.groups = [RowGroup(rows=torch.arange(2), span=slice(0, 2), source=0, shared=0)]
+    assert not decode_stack.applies(step, kv)
+    kv.fused_layers = False
+    assert not decode_stack.applies(_decode_step([[1, 2]]), kv)
+
+
+def test_decode_layers_rejects_inconsistent_arguments(kernel):
+    m = _tiny(attention_bias=False)
+    a = m.a
+    kv = KVCache(a, 2, 32, torch.float32)
+    kv.ensure_initialized(2, 32)
+    la = decode_stack.layer_args(m, 1)
+    h = torch.randn(1, a.hidden_size)
+    cos, sin = torch.ones(1, a.head_dim), torch.zeros(1, a.head_dim)
+    pos = torch.tensor([3])
+
+    def call(**kw):
+        args = dict(h=h, cos=cos, sin=sin, norms=la.norms, weights=la.weights, scales=la.scales, biases=la.biases,
+                    kinds=la.kinds, k_cache=kv.k, v_cache=kv.v, pos=pos, row0=0, S=4, scale=0.125,
+                    eps=a.rms_norm_eps, n_heads=a.n_heads, tap_layer=1, want_probs=True)
+        args.update(kw)
+        return torch.ops.sfcl.decode_layers(*args.values())
+
+    h_out, tap_h, tap_p = call()
+    assert h_out.shape == (1, a.hidden_size) and tap_p.shape == (1, a.n_heads, 1, 4)
+    with pytest.raises(RuntimeError, match="4 per layer"):
+        call(weights=la.weights[:-1])
+    with pytest.raises(RuntimeError, match="kinds: 0 dense"):
+        call(kinds=[7] * len(la.kinds))
+    with pytest.raises(RuntimeError, match="cos, sin"):
+        call(cos=torch.ones(2, a.head_dim))
+    with pytest.raises(RuntimeError, match="dtype"):
+        call(h=h.double(), cos=cos.double(), sin=sin.double())
+    with pytest.raises(RuntimeError, match="positions must lie"):
+        call(pos=torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="no rows"):
+        call(h=h[:0], cos=cos[:0], sin=sin[:0], pos=pos[:0])
