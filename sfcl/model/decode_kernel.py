@@ -1,4 +1,8 @@
-"""SFCL's fused CPU decode-attention kernel (``csrc/decode_attention.cpp``): build, load, call.
+"""SFCL's fused CPU decode kernels: build, load, call.
+
+One library from ``csrc/``: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
+below and by ``Attention.decode_attn``) and ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``,
+every decoder layer of a decode-only step in one call; ``sfcl.model.decode_stack``).
 
 ``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
 eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
@@ -8,9 +12,9 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 92.5 ms 32-row step, ``docs/performance-journal.md``), and at one stream each of those operators
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
-The source is compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
+The sources are compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
 -march=native``; ~11 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
-hashes the source, the compiler flags, torch's version and the CPU's flags, so a cache copied to
+hashes the sources, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
 
@@ -113,7 +117,7 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
             _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
                           seconds=time.monotonic() - t0)
             if verbose:
-                print(f"[ENGINE] fused decode attention unavailable ({_state['why']}); using torch's operators",
+                print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
                       file=sys.stderr, flush=True)
         return bool(_state["ok"])
 
@@ -132,7 +136,7 @@ def _build(name: str, final: Path, verbose: bool) -> None:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's decode-attention kernel with the C++ compiler "
+        print("[ENGINE] compiling SFCL's decode kernels (attention, layers) with the C++ compiler "
               "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:
