@@ -55,6 +55,7 @@ from sfcl.anchors.corpus import Document, corpus_hash
 from sfcl.anchors.kmeans import two_level_kmeans
 from sfcl.anchors.model_pass import flops_per_token, gemm_rate, run_windows
 from sfcl.library.store import save_library
+from sfcl.model import decode_kernel
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, ChunkSpec, StepBatch
 from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_table
@@ -322,6 +323,8 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     eos = set(lm.eos_token_ids or [])
     B = len(prompts)
     kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
+    if device.type == "cpu" and decode_kernel.supports(lm.args, kv) and decode_kernel.load(verbose=progress):
+        kv.fused_decode = kv.fused_layers = True  # decode as the server decodes (sfcl.model.decode_stack)
     lens = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     logits, disp = [], []
     with tqdm(total=int(lens.sum()), desc="anchors: calibration prefill", unit="tok", unit_scale=True,
@@ -355,9 +358,10 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
         mask = torch.arange(S, device=device)[None, :] <= pos[:, None]  # (B, S)
         b = AttnBatch(is_prefill=False, slots=torch.arange(B, device=device), positions=pos, kv_len=S,
                       mask=mask.view(B, 1, 1, S), slot_range=(0, B))
-        fo = model(t[:, None], b, kv, layer)
-        logits_t = fo.logits
-        disp_t = attention_dispersion(fo.tap_probs[:, :, -1], pos + 1)
+        step = StepBatch(positions=pos.clone(), decode=b, chunks=[], sample_index=torch.arange(B, device=device))
+        so = model.forward_step(t[None, :], step, kv, layer)
+        logits_t = so.logits
+        disp_t = attention_dispersion(so.tap_probs[0][:, :, -1], pos + 1)
     T_, L_, D_ = (torch.stack(x, 1).cpu().tolist() for x in (toks, lps, dps))  # (B, max_new) each
     texts = token_texts(lm.tokenizer, lm.args.vocab_size)
     canon = canonical_table(lm.tokenizer, lm.args.vocab_size, texts)  # the unsupported_number check, as serving runs it
