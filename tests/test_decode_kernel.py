@@ -200,7 +200,7 @@ def test_a_finished_build_loads_without_the_builder_or_its_lock(tmp_path):
     first = _load_in_subprocess(tmp_path, {})
     assert first.returncode == 0 and first.stdout.startswith("LOADED"), first.stdout + first.stderr
     [built] = [d for d in (tmp_path / "kernels").iterdir() if ".tmp-" not in d.name]
-    assert [f.name for f in built.iterdir()] == [built.name + ".so"]  # the build folder was cleaned up
+    assert sorted(f.name for f in built.iterdir()) == [built.name + ".so", built.name + ".so.sha256"]  # build folder cleaned up
     (built / "lock").write_text("")  # what a killed torch build leaves behind
     (tmp_path / "kernels" / (built.name + ".tmp-1-x")).mkdir()
     (tmp_path / "kernels" / (built.name + ".tmp-1-x") / "lock").write_text("")
@@ -209,3 +209,18 @@ def test_a_finished_build_loads_without_the_builder_or_its_lock(tmp_path):
                                                "c.load = no\n")
     assert second.returncode == 0 and second.stdout.startswith("LOADED"), second.stdout + second.stderr
     assert "compiling" not in second.stderr
+
+
+def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
+    """A cached library that is not the file its build wrote (here cut to 4 KiB, as a full disk or a
+    killed copy leaves it) is rebuilt: loading it could kill the process with SIGBUS (found by a
+    break-it pass), which no fallback could catch."""
+    first = _load_in_subprocess(tmp_path, {})
+    assert first.returncode == 0 and "LOADED" in first.stdout
+    (so,) = (tmp_path / "kernels").glob("*/*.so")
+    assert so.with_name(so.name + ".sha256").exists()
+    so.write_bytes(so.read_bytes()[:4096])
+    again = _load_in_subprocess(tmp_path, {})
+    assert again.returncode == 0 and "LOADED" in again.stdout and "NOT LOADED" not in again.stdout
+    assert "[ENGINE] compiling" in again.stderr  # rebuilt
+    assert so.stat().st_size > 4096

@@ -62,8 +62,9 @@ def _both_ways(model, args, dtype, prompts, next_ids, tap):
 @pytest.mark.parametrize("weights", ["none", "int4", "int8"])
 @pytest.mark.parametrize("B", [1, 3, 8])  # 8 > max_rows: the dense copies of the quantized weights
 def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B):
-    """Same logits (to rounding), tap hidden state, snapshot-layer weights and K/V writes as the
-    Python forward, on the bundled model over real prompts, in float32 and the CPU's dtype."""
+    """Same logits, tap hidden state, snapshot-layer weights and K/V writes as the Python forward,
+    on the bundled model over real prompts: bit for bit in float32 (also where the packed kernels
+    round activations to bf16), to rounding in the CPU's dtype where that is bf16."""
     for m in {id(lm): lm, id(lm_fp32): lm_fp32}.values():
         model = copy.deepcopy(m.model)
         quantize_weights(model, weights)
@@ -76,9 +77,14 @@ def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B)
         assert s1.logits.shape == s0.logits.shape == (B, m.args.vocab_size) and s1.logits.dtype == torch.float32
         assert s1.tap_hidden.shape == (B, m.args.hidden_size) and s1.tap_hidden.dtype == dtype
         assert len(s1.tap_probs) == 1 and s1.tap_probs[0].shape == s0.tap_probs[0].shape
-        # The sums of RMSNorm and the exp of SiLU round differently from torch's operators (the other
-        # element-wise steps round as they do); where the packed kernels take bf16 activations, or the
-        # model is bf16, a last-bit difference can flip a bf16 rounding that the layers carry forward.
+        if dtype == torch.float32:  # RMSNorm and SiLU from torch's own operators: the same numbers
+            assert torch.equal(s1.logits, s0.logits) and torch.equal(s1.tap_hidden, s0.tap_hidden)
+            assert torch.equal(s1.tap_probs[0], s0.tap_probs[0])
+            assert all(torch.equal(a, b) for a, b in zip(kv1.k + kv1.v, kv0.k + kv0.v))
+            continue
+        # 16-bit: the sums of RMSNorm and the exp of SiLU round differently from torch's operators (the
+        # other element-wise steps round as they do), and a last-bit difference can flip a bf16 rounding
+        # that the layers carry forward.
         diff = float((s1.logits - s0.logits).abs().max())
         assert diff <= 0.05 * float(s0.logits.std())
         top2 = s0.logits.topk(2, dim=-1).values
@@ -192,3 +198,23 @@ def test_decode_layers_rejects_inconsistent_arguments(kernel):
         call(pos=torch.tensor([9]))
     with pytest.raises(RuntimeError, match="no rows"):
         call(h=h[:0], cos=cos[:0], sin=sin[:0], pos=pos[:0])
+    with pytest.raises(RuntimeError, match="k_cache, v_cache"):
+        call(k_cache=[c[0] for c in kv.k])  # 3-D
+    with pytest.raises(RuntimeError, match="tap_layer"):
+        call(tap_layer=-1)
+    with pytest.raises(RuntimeError, match="eps"):
+        call(eps=float("nan"))
+    # projection weights of the wrong width: an error naming the layer, never a read past the output
+    # (found by a break-it pass: the residual adds read B x hidden values of whatever came back)
+    narrow_o = list(la.weights)
+    narrow_o[1] = torch.randn(a.hidden_size // 2, a.n_heads * a.head_dim)
+    with pytest.raises(RuntimeError, match="layer 0: the output projection"):
+        call(weights=narrow_o)
+    wide_down = list(la.weights)
+    wide_down[7] = torch.randn(4 * a.hidden_size, a.intermediate_size)
+    with pytest.raises(RuntimeError, match="layer 1: the down projection"):
+        call(weights=wide_down)
+    odd_gu = list(la.weights)
+    odd_gu[2] = torch.randn(2 * a.intermediate_size + 1, a.hidden_size)
+    with pytest.raises(RuntimeError, match="gate/up"):
+        call(weights=odd_gu)

@@ -41,7 +41,7 @@ from sfcl.config import default_cache_dir
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp")  # one library; see also sfcl.model.decode_stack
 HEADERS = (CSRC / "sfcl_kernels.h",)
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the source did not write
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 
@@ -91,8 +91,10 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
     ``torch.ops.sfcl.decode_attention`` is callable. Thread-safe; decided once per process.
     ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention). cache_dir: see ``cache_root``.
 
-    A finished build (``<cache_root>/<name>/<name>.so``) is loaded as it is, with no lock, no
-    ninja and no write, so a read-only cache works and switching ninja versions rebuilds nothing.
+    A finished build (``<cache_root>/<name>/<name>.so`` whose SHA-256 matches the
+    ``<name>.so.sha256`` its build wrote) is loaded as it is, with no lock, no ninja and no write,
+    so a read-only cache works and switching ninja versions rebuilds nothing; a library that does
+    not match (truncated, overwritten) is rebuilt rather than loaded.
     A build runs in a folder of its own (``<name>.tmp-<pid>-<random>``) and its library is moved
     into place with an atomic rename, so concurrent first starts each build and one wins, and a
     build killed part-way leaves no lock that a later start would wait on forever (torch's own
@@ -107,9 +109,9 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
         try:
             name = build_name()
             final = cache_root(cache_dir) / name / f"{name}.so"
-            if final.exists():
+            if _intact(final):
                 torch.ops.load_library(str(final))
-            else:
+            else:  # absent, or not the file a build wrote (truncated, overwritten): loading could crash
                 _build(name, final, verbose)  # also loads it (from the build folder)
             _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention") and hasattr(torch.ops.sfcl, "decode_layers"), why="", seconds=time.monotonic() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
@@ -120,6 +122,24 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
                 print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
                       file=sys.stderr, flush=True)
         return bool(_state["ok"])
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_name(so.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(so: Path) -> bool:
+    """Whether ``so`` is the library a build wrote: its SHA-256 equals the one the build recorded
+    beside it. A truncated library is not merely unloadable: mapping it can kill the process with
+    SIGBUS, which no ``except`` catches, so it is checked before ``load_library`` ever sees it."""
+    try:
+        return so.exists() and _digest_path(so).read_text().strip() == _sha256(so)
+    except OSError:
+        return False
 
 
 def _build(name: str, final: Path, verbose: bool) -> None:
@@ -142,7 +162,11 @@ def _build(name: str, final: Path, verbose: bool) -> None:
     try:
         cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(work),
                  is_python_module=False, verbose=False)  # builds and loads it from `work`
-        os.replace(work / f"{name}.so", final)  # atomic on one file system; a concurrent winner is fine
+        built = work / f"{name}.so"
+        digest = work / "digest"
+        digest.write_text(_sha256(built) + "\n")
+        os.replace(digest, _digest_path(final))  # the digest first, then the library: a reader that sees
+        os.replace(built, final)  # a pair from two concurrent builds finds a mismatch and builds again
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

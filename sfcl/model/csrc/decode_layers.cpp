@@ -8,8 +8,12 @@
 // (the packed int4 / int8 GEMVs of sfcl.model.quant.QuantLinear, or at::linear for a dense
 // weight); the element-wise steps between them are single loops here, rounding to the model
 // dtype after each operation exactly where the torch operators do (bf16: x * cos, swapped * sin
-// and their sum are each rounded), so the result matches the Python forward up to the order of
-// float32 sums in RMSNorm and the exp in SiLU.
+// and their sum are each rounded; the library is built with -ffp-contract=off, so no product is
+// fused into an add), so a 16-bit model matches the Python forward up to the order of RMSNorm's
+// float32 sum and the exp in SiLU. A float32 model takes RMSNorm and SiLU * up from torch's own
+// operators (at::rms_norm, at::silu, at::mul: a few microseconds per layer), so there the result
+// is the Python forward's bit for bit, also where the packed kernels round activations to bf16
+// and a last-bit difference would otherwise flip a rounding and grow through the layers.
 //
 // Why: at one stream a step of SmolLM2-135M is ~2,000 small torch operators called from Python
 // (~68 per layer), which cost about as much as the weights' GEMVs themselves
@@ -28,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -168,6 +173,37 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const
   return y;
 }
 
+// RMSNorm(h) * w (B, H), as sfcl.model.llama.RMSNorm computes it for T (see the header): written
+// into xn for 16-bit T, a new tensor from F.rms_norm's own operator for float32.
+template <typename T>
+at::Tensor normed(const at::Tensor& h, const at::Tensor& w, at::Tensor& xn, float eps) {
+  const int64_t B = h.size(0), H = h.size(1);
+  if constexpr (std::is_same_v<T, float>) {
+    return at::rms_norm(h, {H}, w, static_cast<double>(eps));
+  } else {
+    rms_norm<T>(h.data_ptr<T>(), w.data_ptr<T>(), xn.data_ptr<T>(), B, H, eps);
+    return xn;
+  }
+}
+
+// act (B, I) <- SiLU(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up; torch's operators for float32).
+template <typename T>
+at::Tensor silu_times_up(const at::Tensor& gu, int64_t I) {
+  if constexpr (std::is_same_v<T, float>) {
+    return at::mul(at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
+  } else {
+    at::Tensor act = at::empty({gu.size(0), I}, gu.options());
+    silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), gu.size(0), I);
+    return act;
+  }
+}
+
+// Checks that a projection's output is (B, N) before a loop reads B * N of it.
+inline void check_width(const at::Tensor& y, int64_t B, int64_t N, int64_t layer, const char* what) {
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == B && y.size(1) == N, "layer ", layer, ": ", what, " gives ", y.sizes(),
+              ", not (", B, ", ", N, ")");
+}
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
     const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
@@ -182,16 +218,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
   at::Tensor xn = at::empty_like(h);
   at::Tensor tap_hidden = at::empty({0}, h.options()), tap_probs = at::empty({0}, h.options().dtype(at::kFloat));
   T* hp = h.data_ptr<T>();
-  T* xp = xn.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const float e = static_cast<float>(eps);
   for (int64_t l = 0; l < L; ++l) {
     const int64_t p = 4 * l;
     // attention
-    rms_norm<T>(hp, norms[2 * l].data_ptr<T>(), xp, B, H, e);
-    at::Tensor qkv = project(xn, kinds[p], weights[p], scales[p], biases.get(p)).contiguous();  // (B, W)
-    TORCH_CHECK(qkv.size(1) == W, "layer ", l, ": q/k/v projection gives ", qkv.size(1), " features, not ", W);
+    at::Tensor x = normed<T>(h, norms[2 * l], xn, e);
+    at::Tensor qkv = project(x, kinds[p], weights[p], scales[p], biases.get(p)).contiguous();  // (B, W)
+    check_width(qkv, B, W, l, "the q/k/v projection");
     rope_<T>(qkv.data_ptr<T>(), B, W, n_heads + nkv, hd, cp, sp);
     at::Tensor q = qkv.narrow(1, 0, n_heads * hd).view({B, n_heads, hd});
     at::Tensor kn = qkv.narrow(1, n_heads * hd, nkv * hd).view({B, nkv, hd});
@@ -199,14 +234,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
     const bool probs_here = want_probs && l == tap_layer;
     auto [o, pr] = sfcl::decode_attention(q, k_cache[l], v_cache[l], kn, vn, pos, row0, S, scale, probs_here);
     at::Tensor a = project(o, kinds[p + 1], weights[p + 1], scales[p + 1], biases.get(p + 1)).contiguous();  // (B, H)
+    check_width(a, B, H, l, "the output projection");
     add_<T>(hp, a.data_ptr<T>(), B * H);
     // MLP
-    rms_norm<T>(hp, norms[2 * l + 1].data_ptr<T>(), xp, B, H, e);
-    at::Tensor gu = project(xn, kinds[p + 2], weights[p + 2], scales[p + 2], biases.get(p + 2)).contiguous();  // (B, 2 I)
+    x = normed<T>(h, norms[2 * l + 1], xn, e);
+    at::Tensor gu = project(x, kinds[p + 2], weights[p + 2], scales[p + 2], biases.get(p + 2)).contiguous();  // (B, 2 I)
+    TORCH_CHECK(gu.dim() == 2 && gu.size(0) == B && gu.size(1) % 2 == 0 && gu.size(1) > 0, "layer ", l,
+                ": the gate/up projection gives ", gu.sizes(), ", not (", B, ", 2 x intermediate)");
     const int64_t I = gu.size(1) / 2;
-    at::Tensor act = at::empty({B, I}, h.options());
-    silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, I);
+    at::Tensor act = silu_times_up<T>(gu, I);  // (B, I)
     at::Tensor d = project(act, kinds[p + 3], weights[p + 3], scales[p + 3], biases.get(p + 3)).contiguous();  // (B, H)
+    check_width(d, B, H, l, "the down projection");
     add_<T>(hp, d.data_ptr<T>(), B * H);
     if (l == tap_layer) {
       tap_hidden = h.clone();
@@ -232,6 +270,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layers(
                   static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(kinds.size()) == 4 * L,
               "weights, scales, biases, kinds: 4 per layer (qkv, o, gate_up, down)");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h: contiguous (B, hidden)");
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(k_cache[l].dim() == 4 && v_cache[l].dim() == 4 && k_cache[l].sizes() == k_cache[0].sizes() &&
+                    v_cache[l].sizes() == k_cache[0].sizes() && k_cache[l].is_contiguous() && v_cache[l].is_contiguous() &&
+                    k_cache[l].scalar_type() == h.scalar_type() && v_cache[l].scalar_type() == h.scalar_type(),
+                "k_cache, v_cache: one contiguous (rows, nkv, max_len, head_dim) tensor per layer, all of one shape, in h's dtype");
   const int64_t B = h.size(0), H = h.size(1), hd = k_cache[0].size(3);
   TORCH_CHECK(B > 0, "no rows");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == hd && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
@@ -243,7 +286,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layers(
                     norms[i].scalar_type() == h.scalar_type(), "norm weights: contiguous (hidden,) in h's dtype");
   for (int64_t i = 0; i < 4 * L; ++i)
     TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt8 || kinds[i] == kInt4, "kinds: 0 dense, 1 int8, 2 int4");
-  TORCH_CHECK(tap_layer < L, "tap_layer out of range");
+  TORCH_CHECK(tap_layer >= 0 && tap_layer < L, "tap_layer must lie in [0, layers)");
+  TORCH_CHECK(eps > 0.0 && std::isfinite(eps), "eps must be a positive finite number");
+  TORCH_CHECK(n_heads > 0 && k_cache[0].size(1) > 0 && n_heads % k_cache[0].size(1) == 0,
+              "n_heads must be a positive multiple of the cache's KV heads");
   switch (h.scalar_type()) {
     case at::kBFloat16:
       return run_layers<c10::BFloat16>(h, cos, sin, norms, weights, scales, biases, kinds, k_cache, v_cache, pos, row0, S,
