@@ -468,21 +468,31 @@ class LlamaModel(nn.Module):
         """One engine step: ids (1, N) int64 laid out as ``step`` says. Linear layers see all N
         tokens at once; attention is per part (``Attention.forward_step``). Logits and the tap
         hidden state are returned only for ``step.sample_index`` (M rows), so chunks that do not
-        end a prompt cost no lm_head."""
+        end a prompt cost no lm_head. A step of decode rows only runs its layers in one C++ call
+        where the engine turned that on (``sfcl.model.decode_stack``; same results, float32 bit
+        for bit)."""
         h = self.embed_tokens(ids[0])  # (N, H): 2-D activations, so no linear layer reshapes
         cos, sin = self.rope(step.positions, h.dtype)  # (N, 1, hd)
-        if decode_stack.applies(step, kv):  # decode rows only: every layer in one C++ call
-            out = decode_stack.run(self, h, cos[:, 0], sin[:, 0], step, kv, tap_layer)
-            if out is not None:
-                h, tap_hidden, tap_p = out  # (N, H), (N, H), (N, nh, 1, S)
-                hs = h[step.sample_index]  # (M, H)
-                logits = self.lm_head(self.norm(hs)).float()  # (M, V)
-                return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=[tap_p],
-                               tap_states=tap_hidden if step.keep_tap_states else None)
-        cos, sin = cos[None], sin[None]  # (1, N, 1, hd)
+        fused = decode_stack.run(self, h, cos[:, 0], sin[:, 0], step, kv, tap_layer) \
+            if decode_stack.applies(step, kv) else None
+        if fused is not None:
+            h, tap_hidden, tap_p = fused  # (N, H), (N, H), (N, nh, 1, S)
+            tap_probs = [tap_p]
+        else:
+            h, tap_hidden, tap_probs = self._layers_step(h, cos[None], sin[None], step, kv, tap_layer)
+        hs = h[step.sample_index]  # (M, H)
+        logits = self.lm_head(self.norm(hs)).float()  # (M, V)
+        return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=tap_probs,
+                       tap_states=tap_hidden if step.keep_tap_states else None)
+
+    def _layers_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepBatch, kv,
+                     tap_layer: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """``forward_step``'s decoder layers in Python: h (N, H), cos / sin (1, N, 1, hd). Returns
+        (h after the last layer (N, H), h after layer ``tap_layer`` (N, H), its attention weights
+        per part, as ``Attention.forward_step`` gives them)."""
         # masks once per step, not per layer
         bias = decode_bias(step.decode.mask) if step.n_decode > 1 else None
-        masks = [chunk_mask(c.length, c.start, ids.device) for c in step.chunks]
+        masks = [chunk_mask(c.length, c.start, h.device) for c in step.chunks]
         tap_hidden = tap_probs = None
         for i, layer in enumerate(self.layers):
             is_tap = i == tap_layer
@@ -492,10 +502,7 @@ class LlamaModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if is_tap:
                 tap_hidden, tap_probs = h, probs  # (N, H)
-        hs = h[step.sample_index]  # (M, H)
-        logits = self.lm_head(self.norm(hs)).float()  # (M, V)
-        return StepOut(logits=logits, tap_hidden=tap_hidden[step.sample_index], tap_probs=tap_probs,
-                       tap_states=tap_hidden if step.keep_tap_states else None)
+        return h, tap_hidden, tap_probs
 
 
 @dataclass(slots=True)
