@@ -85,8 +85,11 @@ def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B)
         # 16-bit: the sums of RMSNorm and the exp of SiLU round differently from torch's operators (the
         # other element-wise steps round as they do), and a last-bit difference can flip a bf16 rounding
         # that the layers carry forward.
-        diff = float((s1.logits - s0.logits).abs().max())
-        assert diff <= 0.05 * float(s0.logits.std())
+        # A flipped rounding moves a few logits by a fraction of their spread (seen: up to 7% with the
+        # kernels built for AVX2, whose loops sum in another order); a wrong step moves all of them.
+        d = (s1.logits - s0.logits).abs()
+        diff, spread = float(d.max()), float(s0.logits.std())
+        assert diff <= 0.15 * spread and float(d.mean()) <= 0.02 * spread, (diff, float(d.mean()), spread)
         top2 = s0.logits.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # rows whose greedy token no rounding could change
         assert torch.equal(s1.logits.argmax(-1)[clear], s0.logits.argmax(-1)[clear])
