@@ -142,15 +142,7 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,
                  block_size=ecfg.block_size, pool_blocks=pool_blocks)
     if torch.device(device).type == "cpu":
-        if ecfg.attention_kernel == "torch":
-            why = "--attention-kernel torch"
-        elif not decode_kernel.supports(lm.args, kv):
-            why = "the kernel does not take this KV cache (INT8) or head shape"
-        elif decode_kernel.load(cache_dir=scfg.cache_dir):
-            kv.fused_decode, why = True, ""
-            kv.fused_layers = ecfg.attention_kernel == "auto"
-        else:
-            why = decode_kernel.why_unavailable()
+        why = decode_kernel.enable(kv, lm.args, ecfg.attention_kernel, cache_dir=scfg.cache_dir)
         if kv.fused_decode:
             layers = ("; decode-only steps run every layer in one call" if kv.fused_layers
                       else "; layers as torch operators (--attention-kernel attention)")

@@ -145,6 +145,19 @@ def test_supports_only_the_16_and_32_bit_cpu_cache(lm):
     assert not decode_kernel.supports(lm.args, KVCache(lm.args, 2, 32, torch.bfloat16, kv_dtype="int8"))
 
 
+@pytest.mark.parametrize("mode, attention, layers", [("auto", True, True), ("attention", True, False),
+                                                      ("torch", False, False)])
+def test_enable_sets_the_flags_each_mode_names(kernel, lm, mode, attention, layers):
+    from sfcl.model.kv_cache import KVCache
+
+    kv = KVCache(lm.args, 2, 32, torch.bfloat16)
+    why = decode_kernel.enable(kv, lm.args, mode, verbose=False)
+    assert (kv.fused_decode, kv.fused_layers) == (attention, layers) and (why == "") == attention
+    int8 = KVCache(lm.args, 2, 32, torch.bfloat16, kv_dtype="int8")
+    assert "INT8" in decode_kernel.enable(int8, lm.args, mode, verbose=False) or mode == "torch"
+    assert not int8.fused_decode and not int8.fused_layers
+
+
 def test_engine_greedy_answers_equal_with_and_without_the_kernel(kernel, lm_fp32):
     """The engine (batched decode, rows finishing at different steps, the snapshot layer's weights)
     gives the same greedy tokens with the fused kernel as with torch's operators, float32."""

@@ -323,8 +323,8 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     eos = set(lm.eos_token_ids or [])
     B = len(prompts)
     kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
-    if device.type == "cpu" and decode_kernel.supports(lm.args, kv) and decode_kernel.load(verbose=progress):
-        kv.fused_decode = kv.fused_layers = True  # decode as the server decodes (sfcl.model.decode_stack)
+    if device.type == "cpu":
+        decode_kernel.enable(kv, lm.args, verbose=progress)  # decode as the server decodes (when it can)
     lens = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     logits, disp = [], []
     with tqdm(total=int(lens.sum()), desc="anchors: calibration prefill", unit="tok", unit_scale=True,

@@ -189,6 +189,23 @@ def supports(args, kv) -> bool:
             and kv.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def enable(kv, args, mode: str = "auto", cache_dir: str | Path | None = None, verbose: bool = True) -> str:
+    """Turn SFCL's fused kernels on for decode over ``kv`` (a ``KVCache`` of a model with
+    ``LlamaArgs`` ``args``) where they apply, building or loading them first: ``kv.fused_decode``
+    (the attention kernel) and, for mode ``auto``, ``kv.fused_layers`` (``sfcl.model.decode_stack``).
+    mode: ``auto`` | ``attention`` | ``torch`` (``--attention-kernel``; ``torch`` turns nothing on).
+    Returns "" when the kernels are on, else why not (for the caller's log line)."""
+    if mode == "torch":
+        return "--attention-kernel torch"
+    if not supports(args, kv):
+        return "the kernel does not take this KV cache (INT8) or head shape"
+    if not load(verbose=verbose, cache_dir=cache_dir):
+        return why_unavailable()
+    kv.fused_decode = True
+    kv.fused_layers = mode == "auto"
+    return ""
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
                      v_new: torch.Tensor, pos: torch.Tensor, row0: int, S: int, scale: float,
                      want_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
