@@ -39,12 +39,7 @@ namespace {
 
 // Element conversions written so that loops over them vectorise (bf16 <-> float by bit shifts,
 // round to nearest even as c10::BFloat16 does, NaN kept as NaN).
-inline float to_f(c10::BFloat16 v) {
-  uint32_t u = uint32_t(v.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float to_f(c10::BFloat16 v) { return sfcl::bf16_to_float(v); }
 inline float to_f(float v) { return v; }
 inline float to_f(c10::Half v) { return static_cast<float>(v); }
 
@@ -65,29 +60,9 @@ inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
 template <typename T>
 inline float rnd(float f) { return to_f(from_f<T>(f)); }
 
-// exp(x) for x <= 0, vectorisable (Cephes expf, as in decode_attention.cpp).
-inline float exp_nonpositive(float x) {
-  constexpr float kExpMin = -87.0f, kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  x = x < kExpMin ? kExpMin : x;
-  float n = __builtin_rintf(x * kLog2e);
-  float r = x - n * kLn2Hi - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &e, 4);
-  return p * two_n;
-}
-
 // silu(x) = x / (1 + exp(-x)), from exp of -|x| only (no overflow either side).
 inline float silu(float x) {
-  float e = exp_nonpositive(x < 0.0f ? x : -x);
+  float e = sfcl::exp_nonpositive(x < 0.0f ? x : -x);
   return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
 }
 
