@@ -3,15 +3,16 @@
     python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
 
 Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
-faiss IVF scan alone (``index.ivf.search``, top ``--k`` direct), the hit's epilogue
+IVF pass alone (``torch.ops.sfcl.anchor_search`` on a unit query, top ``--k``; before 2026-12-05
+faiss's IVF scan), the same pass in torch operators (``ivf_search_torch``, the search without
+SFCL's native kernels), the hit's epilogue
 (``anchor_confidence_each`` over the found anchors' weights and decays, to lists, kind names) in
 numpy as ``Snapshotter.lookup`` does it and in torch, and an empty call, each once with
 warm caches and once right after copying ``--evict-mb`` MB (the memory traffic of a decode step,
 which is what the in-step lookup follows). Queries: library vectors plus noise (latency does not
 depend on what they are; recall is measured on real NDA states by ``scripts/anchor_search_bench.py``).
-Prints p50 / p99 in ms per case. Works on any commit with ``AnchorIndex`` and an IVF index (the
-2026-12-04 before/after figures in docs/benchmarks.md came from this script on ``1e90854`` and on
-the change after it).
+Prints p50 / p99 in ms per case. The 2026-12-04 before/after figures in docs/benchmarks.md came
+from this script's faiss version on ``1e90854`` and on the change after it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from sfcl.library.index import AnchorIndex
+from sfcl.library.index import AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import KIND_NAMES
 from sfcl.library.versions import load_library
 from sfcl.snapshot.triggers import anchor_confidence_each
@@ -50,12 +51,15 @@ def main() -> None:
     torch.set_num_threads(1)
     lib = load_library(a.anchors)
     index = AnchorIndex(lib, approximate=True)
-    if index.ivf is None:
+    if index.cells is None:
         raise SystemExit(f"{lib.n_anchors} anchors: below the IVF size, the index is dense")
     g = torch.Generator().manual_seed(0)
     base = lib.vectors[torch.randint(0, lib.n_anchors, (a.reps,), generator=g)].float()
     q = base + 0.3 * base.std() * torch.randn(base.shape, generator=g)
-    unit = [np.ascontiguousarray((r / r.norm()).numpy()[None]) for r in q]
+    unit = [(r / r.norm())[None].contiguous() for r in q]
+    c = index.cells
+    cells = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
+    n_cand = candidates(a.k, index.n)
     found = [index.search(q[i:i + 1], a.k) for i in range(a.reps)]
     w, d = lib.weights.float(), lib.decay.float()
     w_np, d_np = w.numpy(), d.numpy()
@@ -74,12 +78,17 @@ def main() -> None:
     src = torch.empty(a.evict_mb * 2**20 // 4)
     dst = torch.empty_like(src)
     cases = [("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
-             (f"faiss IVF scan alone, top {a.k}", lambda i: index.ivf.search(unit[i], a.k)),
+             (f"IVF pass alone (anchor_search), top {a.k}",
+              lambda i: torch.ops.sfcl.anchor_search(unit[i], index.stored, *cells, index.nprobe, a.k, n_cand)),
+             (f"IVF pass in torch operators, top {a.k}",
+              lambda i: ivf_search_torch(c, index.stored, unit[i], index.nprobe, a.k, n_cand)),
              ("hit epilogue, numpy (the lookup's)", epilogue_numpy),
              ("hit epilogue, torch", epilogue_torch),
              ("empty call", lambda i: None)]
-    print(f"{lib.n_anchors} anchors, index {type(index.ivf).__name__}, nlist {index.ivf.nlist}, "
-          f"nprobe {index.nprobe}, CPU {torch.backends.cpu.get_cpu_capability()}")
+    if not index.native:
+        raise SystemExit("SFCL's native kernels are not loaded here (sfcl.model.decode_kernel.load)")
+    print(f"{lib.n_anchors} anchors, IVF with int8 codes, nlist {c.nlist}, nprobe {index.nprobe}, "
+          f"{n_cand} candidates re-scored, CPU {torch.backends.cpu.get_cpu_capability()}")
     print(f"| case | warm p50 ms | warm p99 ms | after {a.evict_mb} MB copy p50 ms | p99 ms |")
     print("|---|---|---|---|---|")
     for name, fn in cases:

@@ -128,6 +128,8 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
 
     scfg = scfg or SnapshotConfig()
     snap = None
+    if torch.device(device).type == "cpu":  # before the snapshotter: its anchor search uses the library too
+        decode_kernel.load(cache_dir=scfg.cache_dir)
     if lib is not None:
         if not 0 <= lib.layer < lm.args.n_layers:
             raise AnchorLibraryError(f"library layer {lib.layer} does not exist in {lm.name}")

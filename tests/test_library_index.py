@@ -1,13 +1,15 @@
-"""sfcl.library.index.AnchorIndex: dense and IVF top-k search, the exact re-scoring contract, the
-exact fallback of short candidate lists, input handling."""
+"""sfcl.library.index.AnchorIndex: dense and IVF top-k search (the IVF pass both as
+torch.ops.sfcl.anchor_search and as its torch operators), the exact re-scoring contract, the exact
+fallback of short rows, input handling."""
 
 import numpy as np
 import pytest
 import torch
 from test_library_store import make_arrays, save
 
-from sfcl.library.index import IVF_MIN_ANCHORS, AnchorIndex
+from sfcl.library.index import IVF_MIN_ANCHORS, AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import load_library_dir
+from sfcl.model import decode_kernel
 
 
 def _lib(tmp_path, n, d, vectors=None, seed=0):
@@ -65,9 +67,19 @@ def test_dense_search_matches_brute_force(tmp_path, dtype, k):
         assert all(sorted(row) == list(range(n)) for row in ids.tolist())
 
 
-def test_ivf_recall_and_exact_scores(big):
+@pytest.fixture(scope="module")
+def kernel():
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_ivf_recall_and_exact_scores(big, native, request):
     lib, exact = big
-    ivf = AnchorIndex(lib, approximate=True)
+    if native:
+        request.getfixturevalue("kernel")
+    ivf = AnchorIndex(lib, approximate=True, native=native)
+    assert ivf.native is native
     assert ivf.kind == "ivf" and ivf.vectors is None and ivf.nprobe >= 1 and ivf.memory_bytes() > 0
     g = torch.Generator().manual_seed(1)
     near = lib.vectors[torch.randint(0, lib.n_anchors, (200,), generator=g)].float()
@@ -86,11 +98,12 @@ def test_ivf_recall_and_exact_scores(big):
     torch.testing.assert_close(s[hit], s_ref[hit], atol=1e-6, rtol=0)
 
 
-def test_ivf_short_candidate_lists_fall_back_to_exact(big):
-    """nprobe 1 and k = 300: the one scanned cell holds fewer than the 1,200 candidates asked for,
-    so every row is searched exactly; results equal the exact index."""
+@pytest.mark.parametrize("native", [False, None])
+def test_ivf_short_rows_fall_back_to_exact(big, native):
+    """nprobe 1 and k = 300: the one scanned cell holds fewer than 300 anchors, so every row is
+    searched exactly; results equal the exact index."""
     lib, exact = big
-    ivf = AnchorIndex(lib, approximate=True, nprobe=1)
+    ivf = AnchorIndex(lib, approximate=True, nprobe=1, native=native)
     q = torch.randn(5, lib.hidden_size, generator=torch.Generator().manual_seed(2))
     s_ref, i_ref = exact.search(q, 300)
     s, i = ivf.search(q, 300)
@@ -199,3 +212,59 @@ def test_bad_arguments(tmp_path):
         AnchorIndex(lib, approximate=True, nprobe=0)
     with pytest.raises(ValueError, match="dtype"):
         AnchorIndex(lib, dtype=torch.int8)
+
+
+def test_native_pass_equals_the_torch_pass(big, kernel):
+    """torch.ops.sfcl.anchor_search and ivf_search_torch: the same cells, candidates and re-score, so
+    the same anchors (a near tie at the candidate cut may differ; none here) and the same scores up
+    to float32 summation order; short and non-finite rows come back -1 from both."""
+    lib, _ = big
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    c = ivf.cells
+    g = torch.Generator().manual_seed(5)
+    q = lib.vectors[torch.randint(0, lib.n_anchors, (64,), generator=g)].float()
+    q = q + 0.3 * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+    q[3] = float("nan")
+    q[7, 0] = float("inf")
+    for k in (1, 3, 10):
+        args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
+        s_n, i_n = torch.ops.sfcl.anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
+        s_t, i_t = ivf_search_torch(c, ivf.stored, q, ivf.nprobe, k, candidates(k, ivf.n))
+        assert torch.equal(i_n, i_t)
+        torch.testing.assert_close(s_n, s_t, atol=2e-6, rtol=0)
+        assert (i_n[3] == -1).all() and (i_n[7] == -1).all() and (i_n[[0, 1, 2, 4]] >= 0).all()
+    s_n, i_n = torch.ops.sfcl.anchor_search(q[:2], ivf.stored, *args, 1, 200, 200)  # one cell < 200 anchors
+    assert (i_n == -1).all() and torch.isinf(s_n).all()
+
+
+def test_ivf_cells_partition_the_library(big):
+    lib, _ = big
+    c = AnchorIndex(lib, approximate=True, native=False).cells
+    assert sorted(c.members.tolist()) == list(range(lib.n_anchors))
+    assert c.offsets[0] == 0 and c.offsets[-1] == lib.n_anchors and (c.offsets.diff() >= 0).all()
+    # codes * scale reproduce each member's stored vector to int8 precision (half a step per element)
+    approx = c.codes.float() * c.code_scale[:, None]
+    err = (approx - lib.vectors[c.members.long()].float()).abs().amax(1)
+    assert (err <= c.code_scale / 2 + 1e-6).all()
+
+
+def test_anchor_search_rejects_inconsistent_arguments(big, kernel):
+    lib, _ = big
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    c = ivf.cells
+    q = torch.randn(2, lib.hidden_size)
+    good = dict(queries=q, stored=ivf.stored, centroids=c.centroids, centroid_scale=c.centroid_scale,
+                offsets=c.offsets, members=c.members, codes=c.codes, code_scale=c.code_scale)
+    bad = {"queries": q.double(), "stored": ivf.stored.float(), "centroids": c.centroids.float(),
+           "centroid_scale": c.centroid_scale[:-1], "offsets": c.offsets[:-1], "members": c.members.long(),
+           "codes": c.codes[:-1], "code_scale": c.code_scale.double()}
+    for name, value in bad.items():
+        args = dict(good, **{name: value})
+        with pytest.raises(RuntimeError, match="anchor_search"):
+            torch.ops.sfcl.anchor_search(*args.values(), 12, 3, 19)
+    with pytest.raises(RuntimeError, match="anchor_search"):
+        torch.ops.sfcl.anchor_search(*good.values(), 12, 3, 2)  # fewer candidates than k
+    with pytest.raises(RuntimeError, match="anchor_search"):
+        torch.ops.sfcl.anchor_search(*good.values(), 0, 3, 19)
+    with pytest.raises(RuntimeError, match="anchor_search"):
+        torch.ops.sfcl.anchor_search(q[:, :-1].contiguous(), *list(good.values())[1:], 12, 3, 19)

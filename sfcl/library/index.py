@@ -2,10 +2,10 @@
 
 Owns :class:`AnchorIndex`. Built by ``sfcl.snapshot.snapshotter.Snapshotter`` once per library
 version (at server start and at each reload) from an ``sfcl.library.store.AnchorLibrary``; the
-snapshot lookup calls :meth:`AnchorIndex.search` for the rows whose trigger fired, on the runner's
-lookup thread (one torch thread) or on the engine thread. ``sfcl.snapshot.device_search`` mirrors
-the dense search on a GPU. The index lives in process memory and is rebuilt at every load: it is
-not part of the library format (see "Build" below for what that costs).
+snapshot lookup calls :meth:`AnchorIndex.search` for the rows whose trigger fired, on the engine
+thread (or the runner's lookup thread with ``--overlap-lookup``). ``sfcl.snapshot.device_search``
+mirrors the dense search on a GPU. The index lives in process memory and is rebuilt at every load:
+it is not part of the library format (see "Build" below for what that costs).
 
 Two ways to search, both scoring against the library's stored float16 vectors in float32:
 
@@ -13,27 +13,31 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   ``approximate=False``): one matmul of the queries against a search copy of all vectors. A
   float32 copy is exact outright; a 16-bit copy (bfloat16 / float16) picks ``max(4k, k + 16)``
   candidates, re-scored in float32 against the stored vectors.
-- **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): a faiss
-  ``IndexIVFScalarQuantizer`` with float16 cell lists (inverted file over ``nlist`` k-means cells,
-  inner product; Jégou et al., "Product quantization for nearest neighbor search", TPAMI 2011,
-  section on the inverted file) scans the ``nprobe`` cells nearest to each query and returns the
-  top k directly: its lists hold the stored float16 vectors themselves, so its scores are theirs.
-  Before 2026-12-04 the lists were float32 (``IndexIVFFlat``) and max(4k, k + 16) candidates were
-  re-scored in torch; the same cells give the same top k, and dropping the re-score and half the
-  list bytes took a one-row search right after 64 MB of other memory traffic (the cache state
-  after a forward) from 0.59 to 0.40 ms p50, 0.22 to 0.10 ms warm (``scripts/lookup_parts.py``,
-  AVX-512 BF16 EPYC, docs/benchmarks.md).
+- **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): an inverted file
+  (Jégou et al., "Product quantization for nearest neighbor search", TPAMI 2011, section on the
+  inverted file) over ``nlist = N / IVF_LIST_SIZE`` cells (spherical k-means, faiss), with int8
+  codes (one float32 scale per row) of the cell centroids and of the anchors, cell by cell. A
+  query scores the centroids' codes, scans the ``nprobe`` best cells' codes, keeps
+  ``max(4k, k + 16)`` candidates and re-scores them in float32 against the stored float16
+  vectors, so the returned scores are the stored vectors' own. ``torch.ops.sfcl.anchor_search``
+  (``sfcl/model/csrc/anchor_search.cpp``, one call, one thread) runs these steps when SFCL's
+  native kernels are built (``sfcl.model.decode_kernel.load``); :func:`ivf_search_torch` is the
+  same steps in torch operators, used without them. Why codes and one call: a served lookup
+  follows a decode step's forward, which has evicted the caches, and the search's time was
+  memory traffic (float32 centroids and float16 lists, ~1 MB per query) and a dozen Python-level
+  operations around faiss's scan at tens of microseconds each (docs/performance-journal.md,
+  twelfth session); the int8 codes halve the bytes, the one call removes the operations.
 
 The returned scores and their order are exact for the stored vectors (up to float32 summation
-order); what the approximate pass can do is miss a true top-k anchor. A row whose result comes back
-short (fewer anchors in its cells than asked for) or whose query is not finite is searched exactly
-over all anchors instead.
+order); what the approximate pass can do is miss a true top-k anchor (a cell not scanned, or an
+anchor whose int8 score fell outside the candidates). A row whose scanned cells hold fewer than k
+anchors, or whose query is not finite, is searched exactly over all anchors instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,6 +63,31 @@ def candidates(k: int, n: int) -> int:
     return min(n, max(4 * k, k + 16))
 
 
+@dataclass(frozen=True)
+class IvfCells:
+    """The inverted file of an ``ivf`` :class:`AnchorIndex` (module docstring), C cells over N anchors.
+
+    centroids (C, D) int8 and centroid_scale (C,) float32: the cells' unit centroids as codes times
+    a scale; offsets (C + 1,) int64: cell c's anchors are members[offsets[c]:offsets[c + 1]]
+    (members (N,) int32 anchor ids, cell by cell); codes (N, D) int8 and code_scale (N,) float32:
+    those anchors' vectors in the same order, as codes times a scale."""
+
+    centroids: torch.Tensor
+    centroid_scale: torch.Tensor
+    offsets: torch.Tensor
+    members: torch.Tensor
+    codes: torch.Tensor
+    code_scale: torch.Tensor
+
+    @property
+    def nlist(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.centroids, self.centroid_scale, self.offsets,
+                                                           self.members, self.codes, self.code_scale))
+
+
 class AnchorIndex:
     """Top-k inner-product (cosine) search over ``lib``'s unit vectors (module docstring).
 
@@ -66,14 +95,17 @@ class AnchorIndex:
     bfloat16 (half that) or float16 (the memory-mapped library tensor itself, no copy); the
     default ``fast_float_dtype()`` of the caller picks what this CPU multiplies fastest.
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
-    index then holds the IVF (N*D*2 bytes of float16 cell lists plus ``nlist`` float32 centroids) and no
-    dense copy. nprobe: cells scanned per query (default ``IVF_NPROBE``). Building the IVF trains
-    the cell centroids (faiss k-means, seeded: the same library gives the same cells on one
-    machine) and takes ``build_s`` seconds. Raises ValueError for another dtype or nprobe < 1.
+    index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
+    anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
+    ``IVF_NPROBE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` (None: when
+    SFCL's native kernels load, building them first if this machine kind has no build; False: the
+    torch operators of ``ivf_search_torch``). Building the IVF trains the cell centroids (faiss
+    k-means, seeded: the same library gives the same cells on one machine) and takes ``build_s``
+    seconds. Raises ValueError for another dtype or nprobe < 1.
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, approximate: bool = False,
-                 nprobe: int | None = None, seed: int = 0):
+                 nprobe: int | None = None, seed: int = 0, native: bool | None = None):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         if nprobe is not None and nprobe < 1:
@@ -84,23 +116,31 @@ class AnchorIndex:
         self.dtype = dtype
         self.kind = "ivf" if approximate and self.n >= IVF_MIN_ANCHORS else "dense"
         self.vectors = None  # (N, D) dense search copy (dense kind only)
-        self.ivf = None
+        self.cells: IvfCells | None = None
+        self.native = False  # whether the IVF pass runs as torch.ops.sfcl.anchor_search
+        self._nprobe = 0
         if self.kind == "dense":
             self.vectors = self.stored if dtype == torch.float16 else self.stored.to(dtype)
         else:
-            self.ivf = _build_ivf(self.stored.float().numpy(), seed)
-            self.ivf.nprobe = min(nprobe or IVF_NPROBE, self.ivf.nlist)
+            if not (self.stored.dtype == torch.float16 and self.stored.is_contiguous()):
+                self.stored = self.stored.to(torch.float16).contiguous()
+            self.cells = build_cells(self.stored.float().numpy(), seed)
+            self._nprobe = min(nprobe or IVF_NPROBE, self.cells.nlist)
+            if native is not False:
+                from sfcl.model import decode_kernel  # the one native library (built once per machine kind)
+
+                self.native = decode_kernel.load()
         self.build_s = time.perf_counter() - t0
 
     @property
     def nprobe(self) -> int:
         """Cells scanned per query (0 for a dense index)."""
-        return int(self.ivf.nprobe) if self.ivf is not None else 0
+        return self._nprobe
 
     def memory_bytes(self) -> int:
         """Bytes this index holds beyond the library's mapped vectors."""
-        if self.ivf is not None:
-            return int(self.n * self.dim * 2 + self.ivf.nlist * self.dim * 4 + self.n * 8)
+        if self.cells is not None:
+            return self.cells.nbytes()
         return 0 if self.vectors is self.stored else self.vectors.numel() * self.vectors.element_size()
 
     def search(self, queries: torch.Tensor, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,21 +155,96 @@ class AnchorIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.n)
-        q = unit_rows(queries)  # (B, D) float32
         if self.kind == "dense":
+            q = unit_rows(queries)  # (B, D) float32
             if self.dtype == torch.float32:
                 return torch.topk(q @ self.vectors.T, k, dim=1)
             _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, candidates(k, self.n), dim=1)  # (B, c)
             return _rescore(self.stored, q, cand, k)
-        qn = q.numpy()  # (B, D) float32, contiguous, shares q's memory
-        with _faiss_one_thread():
-            s_np, i_np = self.ivf.search(qn, k)  # (B, k) float32 / int64, best first; id -1 where a row ran short
-        scores, ids = torch.from_numpy(s_np), torch.from_numpy(i_np)
-        short_np = (i_np < 0).any(1) | ~np.isfinite(qn).all(1)  # (B,), numpy: a few us less than torch per lookup
-        if short_np.any():
-            short = torch.from_numpy(short_np)
-            scores[short], ids[short] = _exact(self.stored, q[short], k)
+        q = queries  # (B, D) float32, contiguous; normalised by the pass (float64 norm)
+        if q.dtype is not torch.float32 or q.requires_grad or not q.is_contiguous():  # the usual query is all three
+            q = q.detach().to(torch.float32).contiguous()
+        c = self.cells
+        if self.native:
+            scores, ids = torch.ops.sfcl.anchor_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets,
+                                                       c.members, c.codes, c.code_scale, self._nprobe, k,
+                                                       candidates(k, self.n))
+        else:
+            scores, ids = ivf_search_torch(c, self.stored, q, self._nprobe, k, candidates(k, self.n))
+        i_np = ids.numpy()
+        if i_np.size and i_np.min() < 0:  # short or non-finite rows: exact over all anchors
+            short = torch.from_numpy((i_np < 0).any(1))
+            scores[short], ids[short] = _exact(self.stored, unit_rows(q[short]), k)
         return scores, ids
+
+
+def build_cells(x: np.ndarray, seed: int) -> IvfCells:
+    """The inverted file over unit rows ``x`` (N, D) float32 (the library's stored float16 vectors):
+    nlist = N / ``IVF_LIST_SIZE`` cells trained by faiss spherical k-means (``IVF_TRAIN_ITERS``
+    iterations, seeded), each anchor in the cell of its nearest centroid."""
+    import faiss
+
+    n, d = x.shape
+    nlist = max(1, n // IVF_LIST_SIZE)
+    km = faiss.Kmeans(d, nlist, niter=IVF_TRAIN_ITERS, seed=seed, spherical=True,
+                      min_points_per_centroid=1,  # N / nlist = IVF_LIST_SIZE points per cell by design: no warning
+                      verbose=False)
+    km.train(x)
+    cent = torch.from_numpy(km.centroids).float()  # (C, D) unit rows
+    xt = torch.from_numpy(x)
+    assign = torch.cat([torch.argmax(xt[s:s + EXACT_CHUNK] @ cent.T, dim=1)
+                        for s in range(0, n, EXACT_CHUNK)])  # (N,) nearest centroid by inner product
+    order = torch.argsort(assign, stable=True)
+    offsets = torch.zeros(nlist + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(assign, minlength=nlist), 0)
+    centroids, centroid_scale = int8_rows(cent)
+    codes, code_scale = int8_rows(xt[order])
+    return IvfCells(centroids, centroid_scale, offsets, order.to(torch.int32).contiguous(), codes, code_scale)
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of each row of ``x`` (n, D) float: codes (n, D) int8 and scale (n,)
+    float32 with x ~ codes * scale (scale = max |x| / 127 per row; a zero row has codes 0)."""
+    scale = (x.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).float()
+    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
+                     n_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The IVF pass of ``torch.ops.sfcl.anchor_search`` in torch operators (the search without
+    SFCL's native kernels): same inputs (``cells``, ``stored`` (N, D) float16, queries ``q`` (B, D)
+    float32), same steps, same results up to float32 summation order. Returns (scores (B, k)
+    float32, ids (B, k) int64), best first; -inf / -1 in rows that are short or not finite."""
+    qn = unit_rows(q)  # (B, D)
+    B = q.shape[0]
+    if B == 0:
+        return torch.full((0, k), float("-inf")), torch.full((0, k), -1, dtype=torch.int64)
+    cs = (qn @ cells.centroids.float().T) * cells.centroid_scale  # (B, C)
+    probe = torch.topk(cs, min(nprobe, cells.nlist), dim=1).indices  # (B, P)
+    start = cells.offsets[probe].reshape(-1)  # (B * P,) each probed cell's first row of codes
+    size = cells.offsets[probe + 1].reshape(-1) - start
+    per_row = size.view(B, -1).sum(1)  # (B,) anchors scanned per query
+    width = int(per_row.max())
+    if width < k:  # every row short
+        return torch.full((B, k), float("-inf")), torch.full((B, k), -1, dtype=torch.int64)
+    total = int(per_row.sum())
+    first = torch.cumsum(size, 0) - size  # (B * P,) where each cell's run starts in the flat scan
+    rows = torch.repeat_interleave(start - first, size) + torch.arange(total)  # (total,) rows of codes
+    row_of = torch.repeat_interleave(torch.arange(B), per_row)  # (total,) query of each scanned anchor
+    approx = (cells.codes[rows].float() * qn[row_of]).sum(1) * cells.code_scale[rows]  # (total,)
+    col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_row, 0) - per_row, per_row)
+    grid = torch.full((B, width), float("-inf"))  # (B, W) each query's scanned anchors, -inf padded
+    grid[row_of, col] = approx
+    where = torch.zeros(B, width, dtype=torch.int64)
+    where[row_of, col] = rows
+    top_s, top = torch.topk(grid, min(n_candidates, width), dim=1)
+    cand = cells.members[torch.gather(where, 1, top)].long()  # (B, c) anchor ids
+    exact = torch.bmm(stored[cand].float(), qn[:, :, None])[..., 0].masked_fill(top_s == float("-inf"), float("-inf"))
+    scores, pos = torch.topk(exact, k, dim=1)
+    ids = torch.gather(cand, 1, pos)
+    short = (per_row < k) | ~torch.isfinite(qn).all(1)
+    scores[short], ids[short] = float("-inf"), -1
+    return scores, ids
 
 
 def unit_rows(queries: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -140,28 +255,6 @@ def unit_rows(queries: torch.Tensor, device: torch.device | str = "cpu") -> torc
     q = queries.detach().to(device, torch.float32)
     norm = torch.linalg.vector_norm(q, dim=1, keepdim=True, dtype=torch.float64)  # (B, 1)
     return (q / norm.clamp_min(_TINY)).float()
-
-
-@contextlib.contextmanager
-def _faiss_one_thread():
-    """faiss on one OpenMP thread for the calling thread (the cores belong to the engine's forward),
-    and torch's intra-op thread count of that thread unchanged.
-
-    Why the second half: faiss's ``omp_set_num_threads`` may bind to the libgomp torch loaded
-    (measured here: after ``faiss.omp_set_num_threads(1)`` on a thread, ``torch.get_num_threads()``
-    on it was 1). A search on the engine thread (every search with the in-step lookup, the
-    default, and every steered one) then left the engine decoding and prefilling on one thread for
-    good: served single-stream TPOT 25.5 vs 16.6-22.1 ms and long-document cold TTFT 10.2 vs
-    5.6-6.4 s on the AVX-512 BF16 EPYC, ``sfcl-off`` requests included."""
-    import faiss
-
-    n = torch.get_num_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
 
 
 def _rescore(stored: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,24 +269,3 @@ def _exact(stored: torch.Tensor, q: torch.Tensor, k: int) -> tuple[torch.Tensor,
     """Exact top-k over all anchors in float32 blocks of ``EXACT_CHUNK`` (the fallback)."""
     sims = torch.cat([q @ stored[s : s + EXACT_CHUNK].float().T for s in range(0, stored.shape[0], EXACT_CHUNK)], 1)
     return torch.topk(sims, k, dim=1)  # (B, N) -> (B, k)
-
-
-def _build_ivf(x: np.ndarray, seed: int):
-    """faiss ``IndexIVFScalarQuantizer`` (``QT_fp16``, inner product) over unit rows ``x`` (N, D)
-    float32 that are float16 values (the library's stored vectors), nlist = N / ``IVF_LIST_SIZE``
-    cells trained by faiss k-means (``IVF_TRAIN_ITERS`` iterations, seeded). The cell lists hold
-    the vectors in float16, which is exactly what the library stores, so the scan's inner products
-    are the float32 scores of the stored vectors (up to summation order): nothing to re-score."""
-    import faiss
-
-    n, d = x.shape
-    nlist = max(1, n // IVF_LIST_SIZE)
-    quantizer = faiss.IndexFlatIP(d)
-    # encode_residual False: the lists hold the vectors themselves, not their offsets from the centroid
-    ivf = faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, faiss.ScalarQuantizer.QT_fp16,
-                                        faiss.METRIC_INNER_PRODUCT, False)
-    ivf.cp.niter, ivf.cp.seed, ivf.cp.spherical = IVF_TRAIN_ITERS, seed, True
-    ivf.cp.min_points_per_centroid = 1  # N / nlist = IVF_LIST_SIZE points per cell by design: no warning
-    ivf.train(x)
-    ivf.add(x)
-    return ivf

@@ -1,8 +1,10 @@
-"""SFCL's fused CPU decode kernels: build, load, call.
+"""SFCL's native CPU kernels: build, load, call.
 
 One library from ``csrc/``: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
-below and by ``Attention.decode_attn``) and ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``,
-every decoder layer of a decode-only step in one call; ``sfcl.model.decode_stack``).
+below and by ``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``,
+every decoder layer of a decode-only step in one call; ``sfcl.model.decode_stack``) and
+``torch.ops.sfcl.anchor_search`` (``anchor_search.cpp``, the snapshot lookup's IVF pass;
+``sfcl.library.index``).
 
 ``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
 eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
@@ -39,9 +41,11 @@ import torch
 from sfcl.config import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp")  # one library; see also sfcl.model.decode_stack
+# one library; see also sfcl.model.decode_stack and sfcl.library.index (anchor_search)
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp", CSRC / "anchor_search.cpp")
 HEADERS = (CSRC / "sfcl_kernels.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the source did not write
+OPS = ("decode_attention", "decode_layers", "anchor_search")  # what a loaded library must register
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 
@@ -113,7 +117,7 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
                 torch.ops.load_library(str(final))
             else:  # absent, or not the file a build wrote (truncated, overwritten): loading could crash
                 _build(name, final, verbose)  # also loads it (from the build folder)
-            _state.update(ok=hasattr(torch.ops.sfcl, "decode_attention") and hasattr(torch.ops.sfcl, "decode_layers"), why="", seconds=time.monotonic() - t0)
+            _state.update(ok=all(hasattr(torch.ops.sfcl, op) for op in OPS), why="", seconds=time.monotonic() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
             text = str(e).strip()
             _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
@@ -156,7 +160,7 @@ def _build(name: str, final: Path, verbose: bool) -> None:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's decode kernels (attention, layers) with the C++ compiler "
+        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, anchor search) with the C++ compiler "
               "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:

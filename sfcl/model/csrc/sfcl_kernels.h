@@ -1,4 +1,4 @@
-// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp).
+// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
