@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import contractnli_docs
 from torch import nn
 
+from sfcl.model import decode_kernel, quant
 from sfcl.model.quant import (Fp16Linear, QuantLinear, dequantize_int4, fp16_gemm_available, parse_weight_format,
                                quantize_int4, quantize_int8, quantize_weights, weight_bytes)
 
@@ -179,7 +180,7 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
 
     qlm = dataclasses.replace(lm, model=quantize_weights(copy.deepcopy(lm.model), "int4"))
     calls = {"int4": 0, "int8": 0, "dense_rows": []}
-    real4, real8, real_linear = torch._weight_int4pack_mm_for_cpu, torch._weight_int8pack_mm, F.linear
+    real4, real8, real_linear = torch._weight_int4pack_mm_for_cpu, quant.int8_mm, F.linear
 
     def count4(*a):
         calls["int4"] += 1
@@ -194,7 +195,7 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
         return real_linear(x, w, b)
 
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", count4)
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", count8)
+    monkeypatch.setattr(quant, "int8_mm", count8)  # SFCL's int8 GEMV or torch's (test_int8_mm_*)
     monkeypatch.setattr(F, "linear", count_linear)
     ids = lm.tokenizer("The Recipient shall keep all Confidential Information", add_special_tokens=False)["input_ids"]
     # layers in Python (the fused decode layers call the same kernels from C++, where they cannot be
@@ -328,3 +329,58 @@ def test_prompt_rows_dense_sends_few_rows_to_the_dense_path():
         with prompt_rows_dense(False):  # inactive: no change, still dense from the outer one
             assert torch.equal(q(x1), F.linear(x1, q.dense_weight))
     assert torch.equal(q(x1), packed)  # restored on exit
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+
+
+@pytest.mark.parametrize("K", [576, 40, 7])
+@pytest.mark.parametrize("M", [1, 3, 6, 17])
+def test_int8_linear_computes_the_int8_product(kernels, M, K):
+    """torch.ops.sfcl.int8_linear: x W^T with W = codes * row scale, float32 sums rounded once to x's
+    dtype: float32 x within float32 summation error of a float64 reference, bf16 x within bf16
+    rounding of it and of torch's own kernel (K a multiple of 16 there: its only K)."""
+    g = torch.Generator().manual_seed(M * 100 + K)
+    N = 300
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scales = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g)
+    ref = (x.double() @ q.double().T) * scales.double()  # (M, N)
+    y32 = torch.ops.sfcl.int8_linear(x, q, scales)
+    assert y32.dtype == torch.float32 and y32.shape == (M, N)
+    torch.testing.assert_close(y32.double(), ref, atol=1e-4 * float(ref.abs().max()), rtol=1e-5)
+    xb = x.to(torch.bfloat16)
+    refb = (xb.double() @ q.double().T) * scales.double()
+    yb = torch.ops.sfcl.int8_linear(xb, q, scales)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.double(), refb, atol=1e-6, rtol=2 ** -7)  # one bf16 rounding
+    if K % quant.INT8_K_MULTIPLE == 0:
+        torch.testing.assert_close(yb.float(), torch._weight_int8pack_mm(xb, q, scales).float(), atol=1e-6, rtol=2 ** -6)
+    yh = torch.ops.sfcl.int8_linear(x.half(), q, scales)
+    assert yh.dtype == torch.float16
+
+
+def test_int8_mm_runs_sfcls_kernel_once_loaded(kernels, monkeypatch):
+    q = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
+    s = torch.full((64,), 0.01, dtype=torch.bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    used = []
+    monkeypatch.setattr(torch.ops.sfcl, "int8_linear", lambda *a: used.append("sfcl") or torch.zeros(2, 64))
+    quant.int8_mm(x, q, s)
+    monkeypatch.setattr(decode_kernel, "loaded", lambda: False)
+    y = quant.int8_mm(x, q, s)
+    assert used == ["sfcl"] and torch.equal(y, torch._weight_int8pack_mm(x, q, s))
+
+
+def test_int8_linear_rejects_bad_arguments(kernels):
+    q = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    s = torch.ones(8)
+    x = torch.randn(2, 16)
+    for args in [(x, q.float(), s), (x, q[:, :8].contiguous(), s), (x, q, s[:4]), (x[0], q, s),
+                 (x.long(), q, s), (x, q.t().contiguous().t(), s), (x, q, s.long())]:
+        with pytest.raises(RuntimeError, match="int8_linear"):
+            torch.ops.sfcl.int8_linear(*args)
+    assert torch.ops.sfcl.int8_linear(x[:0], q, s).shape == (0, 8)

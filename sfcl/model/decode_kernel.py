@@ -4,7 +4,9 @@ One library from ``csrc/``: ``torch.ops.sfcl.decode_attention`` (``decode_attent
 below and by ``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``,
 every decoder layer of a decode-only step in one call; ``sfcl.model.decode_stack``) and
 ``torch.ops.sfcl.anchor_search`` (``anchor_search.cpp``, the snapshot lookup's IVF pass;
-``sfcl.library.index``).
+``sfcl.library.index``) and ``torch.ops.sfcl.int8_linear`` (``int8_linear.cpp``, the int8 weights'
+GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place of torch's once the library is loaded;
+``loaded``).
 
 ``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
 eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
@@ -42,10 +44,10 @@ from sfcl.config import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 # one library; see also sfcl.model.decode_stack and sfcl.library.index (anchor_search)
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp", CSRC / "anchor_search.cpp")
+SOURCES = tuple(CSRC / f for f in ("decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp", "int8_linear.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the source did not write
-OPS = ("decode_attention", "decode_layers", "anchor_search")  # what a loaded library must register
+OPS = ("decode_attention", "decode_layers", "anchor_search", "int8_linear")  # what a loaded library must register
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 
@@ -160,7 +162,8 @@ def _build(name: str, final: Path, verbose: bool) -> None:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, anchor search) with the C++ compiler "
+        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 GEMV, anchor search) with the C++ "
+              "compiler "
               "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:
@@ -173,6 +176,11 @@ def _build(name: str, final: Path, verbose: bool) -> None:
         os.replace(built, final)  # a pair from two concurrent builds finds a mismatch and builds again
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def loaded() -> bool:
+    """Whether ``load`` has run in this process and the library is loaded (never builds)."""
+    return bool(_state.get("ok", False))
 
 
 def why_unavailable() -> str:

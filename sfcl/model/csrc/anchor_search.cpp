@@ -15,12 +15,7 @@
 // A row whose query is not finite, or whose cells hold fewer than k anchors, comes back with id
 // -1 in every column that has no anchor; the caller searches such rows exactly.
 #include <ATen/ATen.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
-
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -29,73 +24,10 @@
 #include <tuple>
 #include <vector>
 
+#include "sfcl_kernels.h"
+
 namespace sfcl {
 namespace {
-
-// sum_d float(v[d]) * q[d] for float16 v (bit patterns) and float32 q.
-inline float dot_f16(const uint16_t* v, const float* q, int64_t D) {
-  int64_t d = 0;
-  float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (; d + 32 <= D; d += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d))),
-                         _mm512_loadu_ps(q + d), a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d + 16))),
-                         _mm512_loadu_ps(q + d + 16), a1);
-  }
-  for (; d + 16 <= D; d += 16)
-    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d))),
-                         _mm512_loadu_ps(q + d), a0);
-  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#elif defined(__F16C__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d))),
-                         _mm256_loadu_ps(q + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 8))),
-                         _mm256_loadu_ps(q + d + 8), a1);
-  }
-  __m256 a = _mm256_add_ps(a0, a1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  s = _mm_cvtss_f32(h);
-#endif
-  for (; d < D; ++d) s += c10::detail::fp16_ieee_to_fp32_value(v[d]) * q[d];
-  return s;
-}
-
-// sum_d float(v[d]) * q[d] for int8 codes v and float32 q.
-inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
-  int64_t d = 0;
-  float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (; d + 32 <= D; d += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d)))),
-                         _mm512_loadu_ps(q + d), a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 16)))),
-                         _mm512_loadu_ps(q + d + 16), a1);
-  }
-  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d)))),
-                         _mm256_loadu_ps(q + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d + 8)))),
-                         _mm256_loadu_ps(q + d + 8), a1);
-  }
-  __m256 a = _mm256_add_ps(a0, a1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  s = _mm_cvtss_f32(h);
-#endif
-  for (; d < D; ++d) s += float(v[d]) * q[d];
-  return s;
-}
 
 // Insert (v, id) into the descending list s[0..n) / ids[0..n) when it beats the last entry.
 inline void keep_best(float* s, int64_t* ids, int64_t n, float v, int64_t id) {

@@ -137,12 +137,13 @@ constexpr int64_t kDense = 0, kInt8 = 1, kInt4 = 2;
 constexpr int64_t kInt4Group = 32;  // sfcl.model.quant.INT4_GROUP
 
 // y (B, N) = x (B, K) W^T (+ bias), as sfcl.model.quant.QuantLinear.forward computes it for the path
-// given by kind: the packed kernels take bf16 activations (cast in and out), dense is at::linear.
+// given by kind: the packed kernels take bf16 activations (cast in and out), dense is at::linear;
+// int8 is SFCL's int8_linear (int8_linear.cpp), which QuantLinear runs too once this library is loaded.
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& s,
                    const c10::optional<at::Tensor>& bias) {
   if (kind == kDense) return at::linear(x, w, bias);
   at::Tensor xk = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-  at::Tensor y = kind == kInt8 ? at::_weight_int8pack_mm(xk, w, s) : at::_weight_int4pack_mm_for_cpu(xk, w, kInt4Group, s);
+  at::Tensor y = kind == kInt8 ? sfcl::int8_linear(xk, w, s) : at::_weight_int4pack_mm_for_cpu(xk, w, kInt4Group, s);
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   if (bias.has_value() && bias->defined()) y = y + *bias;
   return y;

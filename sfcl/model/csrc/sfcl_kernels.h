@@ -1,7 +1,12 @@
-// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp).
+// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -38,6 +43,74 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&two_n, &e, 4);
   return p * two_n;
 }
+
+// sum_d float(v[d]) * q[d] for float16 v (bit patterns) and float32 q.
+inline float dot_f16(const uint16_t* v, const float* q, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; d + 32 <= D; d += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d))),
+                         _mm512_loadu_ps(q + d), a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d + 16))),
+                         _mm512_loadu_ps(q + d + 16), a1);
+  }
+  for (; d + 16 <= D; d += 16)
+    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d))),
+                         _mm512_loadu_ps(q + d), a0);
+  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(__F16C__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d))),
+                         _mm256_loadu_ps(q + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 8))),
+                         _mm256_loadu_ps(q + d + 8), a1);
+  }
+  __m256 a = _mm256_add_ps(a0, a1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; d < D; ++d) s += c10::detail::fp16_ieee_to_fp32_value(v[d]) * q[d];
+  return s;
+}
+
+// sum_d float(v[d]) * q[d] for int8 codes v and float32 q.
+inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; d + 32 <= D; d += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d)))),
+                         _mm512_loadu_ps(q + d), a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 16)))),
+                         _mm512_loadu_ps(q + d + 16), a1);
+  }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d)))),
+                         _mm256_loadu_ps(q + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d + 8)))),
+                         _mm256_loadu_ps(q + d + 8), a1);
+  }
+  __m256 a = _mm256_add_ps(a0, a1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; d < D; ++d) s += float(v[d]) * q[d];
+  return s;
+}
+
+// torch.ops.sfcl.int8_linear; see int8_linear.cpp.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 
 // torch.ops.sfcl.decode_attention; see decode_attention.cpp and sfcl/model/decode_kernel.py.
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,

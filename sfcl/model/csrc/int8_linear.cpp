@@ -1,0 +1,61 @@
+// torch.ops.sfcl.int8_linear: y (M, N) = x (M, K) W^T with W stored as int8 codes times a scale per
+// output row, the contract of torch's at::_weight_int8pack_mm (sfcl.model.quant.QuantLinear's int8
+// packed path, and decode_layers.cpp's int8 projections), for the few rows of a decode step.
+//
+// Why our own: a decode step's int8 GEMV is a pass over the weight's bytes (the 49,152 x 576
+// lm_head: 28 MB per step), and torch 2.13's CPU kernel read them at ~15 GB/s on the 2-core AVX-512
+// EPYC where a plain read runs at ~33 GB/s: 2.0 ms per step for the lm_head, against 1.0 ms here
+// (docs/performance-journal.md, twelfth session). Each weight row is read once for all M rows;
+// the work is split over torch's intra-op threads by output rows. Arithmetic: float32 products
+// and sums (two 16-lane accumulators on AVX-512, two 8-lane ones on AVX2, then a scalar tail),
+// times the row's scale in float32, rounded once to x's dtype; torch's kernel computes the same
+// quantities, summed in another order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "sfcl_kernels.h"
+
+namespace sfcl {
+namespace {
+
+constexpr int64_t kRowsPerTask = 256;  // output rows per unit of the parallel split (~150 KB of weight at K = 576)
+
+}  // namespace
+
+// x (M, K) bfloat16 / float16 / float32, w (N, K) int8 contiguous, scale (N,) of any float dtype ->
+// (M, N) in x's dtype. Raises (RuntimeError) on other shapes or dtypes.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf ||
+                               x.scalar_type() == at::kFloat),
+              "int8_linear: x must be a (M, K) bfloat16, float16 or float32 tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) == x.size(1),
+              "int8_linear: w must be a contiguous (N, K) int8 tensor with x's K");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0) && at::isFloatingType(scale.scalar_type()),
+              "int8_linear: scale must be a (N,) float tensor");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu(), "int8_linear: CPU tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();  // (M, K) float32: converted once, read N times
+  at::Tensor sf = scale.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(x.scalar_type());
+  const float* X = xf.data_ptr<float>();
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* S = sf.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = W + n * K;
+      for (int64_t m = 0; m < M; ++m) Y[m * N + n] = dot_i8(wr, X + m * K, K) * S[n];
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace sfcl
+
+TORCH_LIBRARY_FRAGMENT(sfcl, m) { m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("int8_linear", &sfcl::int8_linear); }
