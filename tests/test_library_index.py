@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_library_store import make_arrays, save
 
+from sfcl.library import index as index_module
 from sfcl.library.index import IVF_MIN_ANCHORS, AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import load_library_dir
 from sfcl.model import decode_kernel
@@ -99,11 +100,26 @@ def test_ivf_recall_and_exact_scores(big, native, request):
 
 
 @pytest.mark.parametrize("native", [False, None])
-def test_ivf_short_rows_fall_back_to_exact(big, native):
-    """nprobe 1 and k = 300: the one scanned cell holds fewer than 300 anchors, so every row is
-    searched exactly; results equal the exact index."""
+def test_ivf_short_rows_fall_back_to_exact(big, native, monkeypatch):
+    """nprobe 1 and k = 300 (with the exact-above-IVF_MAX_K rule lifted): the one scanned cell holds
+    fewer than 300 anchors, so every row is searched exactly; results equal the exact index."""
     lib, exact = big
+    monkeypatch.setattr(index_module, "IVF_MAX_K", 1000)
     ivf = AnchorIndex(lib, approximate=True, nprobe=1, native=native)
+    q = torch.randn(5, lib.hidden_size, generator=torch.Generator().manual_seed(2))
+    s_ref, i_ref = exact.search(q, 300)
+    s, i = ivf.search(q, 300)
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=0)
+
+
+def test_ivf_searches_above_ivf_max_k_are_exact(big, monkeypatch):
+    """k > IVF_MAX_K goes straight to exact search (the candidate lists' insertion would be
+    quadratic in k, and so many anchors per query is a scan of most cells anyway)."""
+    lib, exact = big
+    ivf = AnchorIndex(lib, approximate=True, nprobe=1)
+    monkeypatch.setattr(torch.ops.sfcl, "anchor_search", None, raising=False)  # the IVF pass must not run
+    monkeypatch.setattr(index_module, "ivf_search_torch", None)
     q = torch.randn(5, lib.hidden_size, generator=torch.Generator().manual_seed(2))
     s_ref, i_ref = exact.search(q, 300)
     s, i = ivf.search(q, 300)
@@ -262,6 +278,11 @@ def test_anchor_search_rejects_inconsistent_arguments(big, kernel):
         args = dict(good, **{name: value})
         with pytest.raises(RuntimeError, match="anchor_search"):
             torch.ops.sfcl.anchor_search(*args.values(), 12, 3, 19)
+    for bad_entry in (-10**9, 10**9):  # a decreasing entry inside (break-it pass: it was a segfault)
+        off = c.offsets.clone()
+        off[5] = bad_entry
+        with pytest.raises(RuntimeError, match="offsets"):
+            torch.ops.sfcl.anchor_search(*dict(good, offsets=off).values(), c.nlist, 3, 19)
     with pytest.raises(RuntimeError, match="anchor_search"):
         torch.ops.sfcl.anchor_search(*good.values(), 12, 3, 2)  # fewer candidates than k
     with pytest.raises(RuntimeError, match="anchor_search"):

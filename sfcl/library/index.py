@@ -55,6 +55,8 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
+IVF_MAX_K = 64  # above this many anchors per query the IVF pass saves nothing: exact search
+TORCH_PASS_ROWS = 8  # queries per chunk of ivf_search_torch (its float32 copy of the scanned codes)
 _TINY = float(np.finfo(np.float64).tiny)  # the norm floor: only an all-zero query is not scaled to norm 1
 
 
@@ -97,11 +99,15 @@ class AnchorIndex:
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
     index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
     anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
-    ``IVF_NPROBE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` (None: when
-    SFCL's native kernels load, building them first if this machine kind has no build; False: the
-    torch operators of ``ivf_search_torch``). Building the IVF trains the cell centroids (faiss
-    k-means, seeded: the same library gives the same cells on one machine) and takes ``build_s``
-    seconds. Raises ValueError for another dtype or nprobe < 1.
+    ``IVF_NPROBE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's
+    native kernels load (None or True; they are built first if this machine kind has no build, and
+    ``self.native`` says whether they loaded), or (False) always with the torch operators of
+    ``ivf_search_torch``. A search for more than ``IVF_MAX_K`` anchors per query is exact.
+    Building the IVF trains the cell centroids (faiss k-means, seeded: the same library gives the
+    same cells on one machine) and takes ``build_s`` seconds. Recall depends on the library's
+    shape: cells are chosen by their centroids, so a library of a few dense blobs loses more than
+    one of many clusters (0.97-0.99 recall@3 on real NDA libraries, ``scripts/anchor_search_bench.py``).
+    Raises ValueError for another dtype or nprobe < 1.
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, approximate: bool = False,
@@ -155,8 +161,10 @@ class AnchorIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.n)
-        if self.kind == "dense":
+        if self.kind == "dense" or k > IVF_MAX_K:
             q = unit_rows(queries)  # (B, D) float32
+            if self.kind == "ivf":
+                return _exact(self.stored, q, k)
             if self.dtype == torch.float32:
                 return torch.topk(q @ self.vectors.T, k, dim=1)
             _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, candidates(k, self.n), dim=1)  # (B, c)
@@ -214,7 +222,18 @@ def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npr
     """The IVF pass of ``torch.ops.sfcl.anchor_search`` in torch operators (the search without
     SFCL's native kernels): same inputs (``cells``, ``stored`` (N, D) float16, queries ``q`` (B, D)
     float32), same steps, same results up to float32 summation order. Returns (scores (B, k)
-    float32, ids (B, k) int64), best first; -inf / -1 in rows that are short or not finite."""
+    float32, ids (B, k) int64), best first; -inf / -1 in rows that are short or not finite.
+    Queries go ``TORCH_PASS_ROWS`` at a time: the pass holds a float32 copy of the codes it scans
+    (a 12-cell scan of the default library ~0.9 MB per query, but a cell of 8,000 duplicates 18 MB)."""
+    if q.shape[0] > TORCH_PASS_ROWS:
+        parts = [_ivf_torch_rows(cells, stored, q[i:i + TORCH_PASS_ROWS], nprobe, k, n_candidates)
+                 for i in range(0, q.shape[0], TORCH_PASS_ROWS)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return _ivf_torch_rows(cells, stored, q, nprobe, k, n_candidates)
+
+
+def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
+                    n_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
     qn = unit_rows(q)  # (B, D)
     B = q.shape[0]
     if B == 0:

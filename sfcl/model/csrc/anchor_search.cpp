@@ -81,6 +81,8 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
   TORCH_CHECK(nprobe >= 1 && k >= 1 && n_candidates >= k, "anchor_search: need nprobe >= 1 and n_candidates >= k >= 1");
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[C] == M, "anchor_search: offsets must run from 0 to the number of members");
+  for (int64_t c = 0; c < C; ++c)  // O(C): a decreasing entry would send the scan outside members
+    TORCH_CHECK(off[c] <= off[c + 1], "anchor_search: offsets must not decrease (cell ", c, ")");
 
   const float kNegInf = -std::numeric_limits<float>::infinity();
   auto scores = at::full({B, k}, kNegInf, queries.options());
