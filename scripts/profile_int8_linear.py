@@ -65,7 +65,7 @@ def main() -> None:
     kernels = {"sfcl int8_linear": torch.ops.sfcl.int8_linear, "torch _weight_int8pack_mm": torch._weight_int8pack_mm}
     print(f"| lm_head {head.out_features} x {head.in_features} int8, p50 ms | " + " | ".join(kernels) + " | ratio |")
     print("|---|---|---|---|")
-    for M in (1, 4):
+    for M in (1, 2, 3, 4):
         x = torch.randn(M, head.in_features).to(quant.KERNEL_DTYPE)
         for evict in (None, (src, dst)):
             t = [p50_ms(lambda k=k: k(x, head.qweight, head.scales), a.reps, evict) for k in kernels.values()]

@@ -342,7 +342,8 @@ def kernels():
 def test_int8_linear_computes_the_int8_product(kernels, M, K):
     """torch.ops.sfcl.int8_linear: x W^T with W = codes * row scale, float32 sums rounded once to x's
     dtype: float32 x within float32 summation error of a float64 reference, bf16 x within bf16
-    rounding of it and of torch's own kernel (K a multiple of 16 there: its only K)."""
+    rounding of it and of torch's own kernel (K a multiple of 16 there: its only K; above 2 rows
+    the op hands such K to torch's kernel, others it keeps)."""
     g = torch.Generator().manual_seed(M * 100 + K)
     N = 300
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)

@@ -6,16 +6,17 @@
 // lm_head: 28 MB per step), and torch 2.13's CPU kernel read them at ~15 GB/s on the 2-core AVX-512
 // EPYC where a plain read runs at ~33 GB/s: 2.0 ms per step for the lm_head, against 1.0 ms here
 // (docs/performance-journal.md, twelfth session). Each weight row is read once for all M rows;
-// the work is split over torch's intra-op threads by output rows. Arithmetic: float32 products
-// and sums (two 16-lane accumulators on AVX-512, two 8-lane ones on AVX2, then a scalar tail),
+// the work is split over torch's intra-op threads by output rows, and each 16 (AVX-512) or 8
+// (AVX2) weights are converted to float once for up to 4 input rows. Arithmetic: float32 products
+// and sums (one vector accumulator per input row, then a scalar tail),
 // times the row's scale in float32, rounded once to x's dtype; torch's kernel computes the same
 // quantities, summed in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "sfcl_kernels.h"
 
@@ -23,6 +24,64 @@ namespace sfcl {
 namespace {
 
 constexpr int64_t kRowsPerTask = 256;  // output rows per unit of the parallel split (~150 KB of weight at K = 576)
+constexpr int kRowBlock = 2;           // input rows that share one conversion of a weight chunk
+// Above this many input rows torch's kernel is faster (lm_head, 2-core AVX-512 EPYC, after a 96 MB
+// copy: M = 1 1.4 vs 1.9 ms, M = 4 3.4 vs 2.9 ms; scripts/profile_int8_linear.py), and runs instead.
+constexpr int64_t kMaxRows = 2;
+
+// out[r] = sum_k float(w[k]) * x[r * K + k] for R input rows x (R, K) float32 and one int8 weight row
+// w (K,): each chunk of w is converted to float once and multiplied into all R rows.
+template <int R>
+inline void dot_i8_rows(const int8_t* w, const float* x, int64_t K, float* out) {
+  int64_t k = 0;
+  float s[R];
+  for (int r = 0; r < R; ++r) s[r] = 0.f;
+#if defined(__AVX512F__)
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  if (R == 1) {  // one row: a second accumulator, so that two FMA chains overlap
+    __m512 b = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+      a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)))),
+                             _mm512_loadu_ps(x + k), a[0]);
+      b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)))),
+                          _mm512_loadu_ps(x + k + 16), b);
+    }
+    a[0] = _mm512_add_ps(a[0], b);
+  }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + r * K + k), a[r]);
+  }
+  for (int r = 0; r < R; ++r) s[r] = _mm512_reduce_add_ps(a[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+  if (R == 1) {
+    __m256 b = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)))),
+                             _mm256_loadu_ps(x + k), a[0]);
+      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8)))),
+                          _mm256_loadu_ps(x + k + 8), b);
+    }
+    a[0] = _mm256_add_ps(a[0], b);
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + r * K + k), a[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    s[r] = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r) s[r] += float(w[k]) * x[r * K + k];
+  for (int r = 0; r < R; ++r) out[r] = s[r];
+}
 
 }  // namespace
 
@@ -46,10 +105,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* W = w.data_ptr<int8_t>();
   const float* S = sf.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  // torch's kernel is faster from kMaxRows up; it takes bf16 activations and scales (what
+  // QuantLinear passes) and only K a multiple of 16 (others crash it)
+  if (M > kMaxRows && K % 16 == 0 && x.scalar_type() == at::kBFloat16 && scale.scalar_type() == at::kBFloat16)
+    return at::_weight_int8pack_mm(x.contiguous(), w, scale.contiguous());
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    float acc[kRowBlock];
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* wr = W + n * K;
-      for (int64_t m = 0; m < M; ++m) Y[m * N + n] = dot_i8(wr, X + m * K, K) * S[n];
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t r = std::min<int64_t>(kRowBlock, M - m0);
+        const float* xb = X + m0 * K;
+        if (r == 2)
+          dot_i8_rows<2>(wr, xb, K, acc);
+        else
+          dot_i8_rows<1>(wr, xb, K, acc);
+        for (int64_t j = 0; j < r; ++j) Y[(m0 + j) * N + n] = acc[j] * S[n];
+      }
     }
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
