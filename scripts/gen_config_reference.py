@@ -27,8 +27,8 @@ ENV_VARS = (
      "Cache of converted weights and built anchor libraries (default `~/.cache/sfcl`); "
      "`--cache-dir` overrides it."),
     ("SFCL_DECODE_KERNEL", "`sfcl.model.decode_kernel.load`",
-     "`0`: never build or load SFCL's fused CPU decode kernels (attention and layers; torch's operators, "
-     "as `--attention-kernel torch`)."),
+     "`0`: never build or load SFCL's native CPU kernels (decode attention and layers, as `--attention-kernel "
+     "torch`; the int8 GEMV, torch's instead; the anchor search's IVF pass, in torch operators)."),
     ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
      "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
      "flags, torch version and CPU-flags hash)."),

@@ -5,7 +5,8 @@
 Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
 IVF pass alone (``torch.ops.sfcl.anchor_search`` on a unit query, top ``--k``; before 2026-12-05
 faiss's IVF scan), the same pass in torch operators (``ivf_search_torch``, the search without
-SFCL's native kernels), the hit's epilogue
+SFCL's native kernels), the search again with a pure-Python thread busy beside it (the served
+lookup shares the GIL with the server's event loop), the hit's epilogue
 (``anchor_confidence_each`` over the found anchors' weights and decays, to lists, kind names) in
 numpy as ``Snapshotter.lookup`` does it and in torch, and an empty call, each once with
 warm caches and once right after copying ``--evict-mb`` MB (the memory traffic of a decode step,
@@ -18,6 +19,8 @@ from this script's faiss version on ``1e90854`` and on the change after it.
 from __future__ import annotations
 
 import argparse
+import sys
+import threading
 import time
 
 import numpy as np
@@ -95,6 +98,32 @@ def main() -> None:
         w50, w99 = timed(fn, a.reps, None)
         c50, c99 = timed(fn, a.reps, (src, dst))
         print(f"| {name} | {w50:.3f} | {w99:.3f} | {c50:.3f} | {c99:.3f} |")
+    # the served lookup shares the GIL with the event loop: a thread running pure-Python bursts
+    # (2 ms of work, 0.5 ms asleep) beside the search, at the default and at a 10x shorter switch interval
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            t_end = time.perf_counter() + 0.002
+            while time.perf_counter() < t_end:
+                sum(range(100))
+            time.sleep(0.0005)
+
+    default_interval = sys.getswitchinterval()
+    for interval in (default_interval, default_interval / 10):
+        sys.setswitchinterval(interval)
+        th = threading.Thread(target=busy, daemon=True)
+        th.start()
+        try:
+            w50, w99 = timed(lambda i: index.search(q[i:i + 1], a.k), a.reps, None)
+            c50, c99 = timed(lambda i: index.search(q[i:i + 1], a.k), a.reps, (src, dst))
+        finally:
+            stop.set()
+            th.join()
+            stop.clear()
+        print(f"| AnchorIndex.search, 1 row, a busy Python thread beside it (switch interval "
+              f"{interval * 1e3:g} ms) | {w50:.3f} | {w99:.3f} | {c50:.3f} | {c99:.3f} |")
+    sys.setswitchinterval(default_interval)
 
 
 if __name__ == "__main__":

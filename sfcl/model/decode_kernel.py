@@ -95,7 +95,8 @@ def _put_ninja_on_path() -> None:
 def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
     """Load the kernel, building it first if this machine kind has no build yet; True when
     ``torch.ops.sfcl.decode_attention`` is callable. Thread-safe; decided once per process.
-    ``SFCL_DECODE_KERNEL=0`` turns it off (eager torch attention). cache_dir: see ``cache_root``.
+    ``SFCL_DECODE_KERNEL=0`` turns it off (torch's operators for decode and the int8 GEMV, the
+    torch version of the anchor search). cache_dir: see ``cache_root``.
 
     A finished build (``<cache_root>/<name>/<name>.so`` whose SHA-256 matches the
     ``<name>.so.sha256`` its build wrote) is loaded as it is, with no lock, no ninja and no write,
