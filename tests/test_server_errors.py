@@ -88,8 +88,11 @@ def test_invalid_utf8_body(url):
 
 
 def test_body_not_an_object(url):
+    """Names what was sent, not pydantic's "instance of ChatCompletionRequest" (new-user pass)."""
     msg = anthropic_error(post(url, A, [1, 2]), 400, "invalid_request_error")
-    assert msg.startswith("body: Input should be a valid dictionary")
+    assert msg == "body: must be a JSON object, not a JSON array"
+    err = openai_error(post(url, O, "hello"), 400, "body")
+    assert err["message"] == "body: must be a JSON object, not a JSON string" and "Request" not in err["message"]
 
 
 @pytest.mark.parametrize("body, expected", [

@@ -14,7 +14,17 @@ from pathlib import Path
 
 from sfcl.config import ATTENTION_KERNELS, DTYPE_CHOICES, SNAPSHOT_MODES, EngineConfig, ModelConfig, SnapshotConfig, default_cache_dir
 
-FMT = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # **FMT on every add_parser
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help, unless the help already says its default (it did
+    both: "(default: bundled SmolLM2-135M-Instruct) (default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+FMT = {"formatter_class": DefaultsHelpFormatter}  # **FMT on every add_parser
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

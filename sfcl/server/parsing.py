@@ -119,6 +119,10 @@ def find_lone_surrogate(value: Any) -> str | None:
 
 
 def parse_model(model_cls: type[BaseModel], data: Any) -> Any:
+    """``model_cls`` from a parsed JSON body; raises ApiError 400 naming the field (pydantic's message
+    for a body that is not an object named our model class: "instance of ChatCompletionRequest")."""
+    if not isinstance(data, dict):
+        raise ApiError(400, f"body: must be a JSON object, not a JSON {_json_kind(data)}", param="body")
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
@@ -245,3 +249,8 @@ async def encode_prompt(engine: EngineClient, messages: list[dict],
         if isinstance(e, ValueError) or "TemplateError" in names:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         raise
+
+
+def _json_kind(v: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)

@@ -71,12 +71,7 @@ inline void dot_i8_rows(const int8_t* w, const float* x, int64_t K, float* out) 
     const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
     for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + r * K + k), a[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
-    h = _mm_hadd_ps(h, h);
-    h = _mm_hadd_ps(h, h);
-    s[r] = _mm_cvtss_f32(h);
-  }
+  for (int r = 0; r < R; ++r) s[r] = hsum256(a[r]);
 #endif
   for (; k < K; ++k)
     for (int r = 0; r < R; ++r) s[r] += float(w[k]) * x[r * K + k];

@@ -44,6 +44,16 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+#if defined(__AVX__)
+// Sum of the 8 lanes of a.
+inline float hsum256(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 // sum_d float(v[d]) * q[d] for float16 v (bit patterns) and float32 q.
 inline float dot_f16(const uint16_t* v, const float* q, int64_t D) {
   int64_t d = 0;
@@ -68,11 +78,7 @@ inline float dot_f16(const uint16_t* v, const float* q, int64_t D) {
     a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 8))),
                          _mm256_loadu_ps(q + d + 8), a1);
   }
-  __m256 a = _mm256_add_ps(a0, a1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  s = _mm_cvtss_f32(h);
+  s = hsum256(_mm256_add_ps(a0, a1));
 #endif
   for (; d < D; ++d) s += c10::detail::fp16_ieee_to_fp32_value(v[d]) * q[d];
   return s;
@@ -99,11 +105,7 @@ inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
     a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d + 8)))),
                          _mm256_loadu_ps(q + d + 8), a1);
   }
-  __m256 a = _mm256_add_ps(a0, a1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  s = _mm_cvtss_f32(h);
+  s = hsum256(_mm256_add_ps(a0, a1));
 #endif
   for (; d < D; ++d) s += float(v[d]) * q[d];
   return s;
