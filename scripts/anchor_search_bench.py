@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, nargs="+", default=[None],
                     help="IVF cells scanned per query; several values compare them on the same queries "
                          "(default: the server's, sfcl.library.index.IVF_NPROBE)")
+    ap.add_argument("--list-size", type=int, default=None,
+                    help="anchors per IVF cell on average (default: the server's, sfcl.library.index.IVF_LIST_SIZE)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model(None, cache_dir=a.cache_dir)
@@ -106,9 +108,9 @@ def main() -> None:
           f"in {time.perf_counter() - t0:.1f} s")
     exact = AnchorIndex(lib, torch.float32)
     # what Snapshotter builds on a CPU, once per --nprobe value (same seed: the same cells)
-    ivfs = [AnchorIndex(lib, fast_float_dtype(), approximate=True, nprobe=n) for n in a.nprobe]
+    ivfs = [AnchorIndex(lib, fast_float_dtype(), approximate=True, nprobe=n, list_size=a.list_size) for n in a.nprobe]
     print(f"library: {lib.n_anchors} anchors x {lib.hidden_size} ({lib.path})")
-    print(f"index: {ivfs[0].kind}, built in {ivfs[0].build_s * 1e3:.0f} ms, "
+    print(f"index: {ivfs[0].kind}, {ivfs[0].cells.nlist if ivfs[0].cells is not None else 0} cells, built in {ivfs[0].build_s * 1e3:.0f} ms, "
           f"{ivfs[0].memory_bytes() / 2**20:.1f} MiB beyond the mapped library; exact peer: dense float32, "
           f"{exact.memory_bytes() / 2**20:.1f} MiB")
     _, ref = exact.search(q, 3)

@@ -226,6 +226,8 @@ def test_bad_arguments(tmp_path):
         index.search(torch.randn(1, 16), k=0)
     with pytest.raises(ValueError, match="nprobe"):
         AnchorIndex(lib, approximate=True, nprobe=0)
+    with pytest.raises(ValueError, match="list_size"):
+        AnchorIndex(lib, approximate=True, list_size=0)
     with pytest.raises(ValueError, match="dtype"):
         AnchorIndex(lib, dtype=torch.int8)
 

@@ -99,7 +99,7 @@ class AnchorIndex:
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
     index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
     anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
-    ``IVF_NPROBE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's
+    ``IVF_NPROBE``); list_size: anchors per cell on average (default ``IVF_LIST_SIZE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's
     native kernels load (None or True; they are built first if this machine kind has no build, and
     ``self.native`` says whether they loaded), or (False) always with the torch operators of
     ``ivf_search_torch``. A search for more than ``IVF_MAX_K`` anchors per query is exact.
@@ -107,15 +107,17 @@ class AnchorIndex:
     same cells on one machine) and takes ``build_s`` seconds. Recall depends on the library's
     shape: cells are chosen by their centroids, so a library of a few dense blobs loses more than
     one of many clusters (0.97-0.99 recall@3 on real NDA libraries, ``scripts/anchor_search_bench.py``).
-    Raises ValueError for another dtype or nprobe < 1.
+    Raises ValueError for another dtype, nprobe < 1 or list_size < 1.
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, approximate: bool = False,
-                 nprobe: int | None = None, seed: int = 0, native: bool | None = None):
+                 nprobe: int | None = None, seed: int = 0, native: bool | None = None, list_size: int | None = None):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         if nprobe is not None and nprobe < 1:
             raise ValueError(f"nprobe must be >= 1, got {nprobe}")
+        if list_size is not None and list_size < 1:
+            raise ValueError(f"list_size must be >= 1, got {list_size}")
         t0 = time.perf_counter()
         self.stored = lib.vectors  # (N, D) float16, memory-mapped: what every score is computed against
         self.n, self.dim = (int(s) for s in self.stored.shape)
@@ -130,7 +132,7 @@ class AnchorIndex:
         else:
             if not (self.stored.dtype == torch.float16 and self.stored.is_contiguous()):
                 self.stored = self.stored.to(torch.float16).contiguous()
-            self.cells = build_cells(self.stored.float().numpy(), seed)
+            self.cells = build_cells(self.stored.float().numpy(), seed, list_size or IVF_LIST_SIZE)
             self._nprobe = min(nprobe or IVF_NPROBE, self.cells.nlist)
             if native is not False:
                 from sfcl.model import decode_kernel  # the one native library (built once per machine kind)
@@ -186,14 +188,14 @@ class AnchorIndex:
         return scores, ids
 
 
-def build_cells(x: np.ndarray, seed: int) -> IvfCells:
+def build_cells(x: np.ndarray, seed: int, list_size: int = IVF_LIST_SIZE) -> IvfCells:
     """The inverted file over unit rows ``x`` (N, D) float32 (the library's stored float16 vectors):
-    nlist = N / ``IVF_LIST_SIZE`` cells trained by faiss spherical k-means (``IVF_TRAIN_ITERS``
+    nlist = N / ``list_size`` cells trained by faiss spherical k-means (``IVF_TRAIN_ITERS``
     iterations, seeded), each anchor in the cell of its nearest centroid."""
     import faiss
 
     n, d = x.shape
-    nlist = max(1, n // IVF_LIST_SIZE)
+    nlist = max(1, n // list_size)
     km = faiss.Kmeans(d, nlist, niter=IVF_TRAIN_ITERS, seed=seed, spherical=True,
                       min_points_per_centroid=1,  # N / nlist = IVF_LIST_SIZE points per cell by design: no warning
                       verbose=False)

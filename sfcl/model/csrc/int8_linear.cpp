@@ -126,3 +126,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(sfcl, m) { m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor"); }
 TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("int8_linear", &sfcl::int8_linear); }
+
+// Shapes only, for torch.compile's fake tensors (QuantLinear runs under --compile too; without it
+// each call was a graph break): (M, N) in x's dtype, as the CPU kernel returns.
+TORCH_LIBRARY_IMPL(sfcl, Meta, m) {
+  m.impl("int8_linear", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "int8_linear: x (M, K), w (N, K)");
+    return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options());  // symbolic: no specialised batch
+  });
+}
