@@ -51,7 +51,9 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 # exact search over 32,768 anchors of NDAs 0-15 0.990 / 0.974 / 0.959, over the 17,069 of the default
 # library 0.987 / 0.968 / 0.951; one-row lookup p50 1.44 / 0.79 / 0.65 ms on one thread (32,768; float32
 # lists and a re-score then, see the module docstring).
-# 12 keeps recall@3 >= 0.95 with margin at about half the time of 24.
+# 12 keeps recall@3 >= 0.95 with margin at about half the time of 24. With the int8 pass (2026-12-05,
+# AVX-512 BF16 EPYC, 1,314 states of 3 NDAs): nprobe 12 / 8 0.9706 / 0.9515 on the default library,
+# 0.9853 / 0.9762 on the 32,731 anchors of all 61 dev NDAs; 12 and 8 now differ by ~10% in time.
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
@@ -99,10 +101,11 @@ class AnchorIndex:
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
     index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
     anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
-    ``IVF_NPROBE``); list_size: anchors per cell on average (default ``IVF_LIST_SIZE``). native: run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's
-    native kernels load (None or True; they are built first if this machine kind has no build, and
-    ``self.native`` says whether they loaded), or (False) always with the torch operators of
-    ``ivf_search_torch``. A search for more than ``IVF_MAX_K`` anchors per query is exact.
+    ``IVF_NPROBE``); list_size: anchors per cell on average (default ``IVF_LIST_SIZE``). native:
+    run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's native kernels load (None
+    or True; they are built first if this machine kind has no build, and ``self.native`` says
+    whether they loaded), or (False) always with the torch operators of ``ivf_search_torch``.
+    A search for more than ``IVF_MAX_K`` anchors per query is exact.
     Building the IVF trains the cell centroids (faiss k-means, seeded: the same library gives the
     same cells on one machine) and takes ``build_s`` seconds. Recall depends on the library's
     shape: cells are chosen by their centroids, so a library of a few dense blobs loses more than

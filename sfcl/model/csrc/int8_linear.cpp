@@ -4,13 +4,14 @@
 //
 // Why our own: a decode step's int8 GEMV is a pass over the weight's bytes (the 49,152 x 576
 // lm_head: 28 MB per step), and torch 2.13's CPU kernel read them at ~15 GB/s on the 2-core AVX-512
-// EPYC where a plain read runs at ~33 GB/s: 2.0 ms per step for the lm_head, against 1.0 ms here
-// (docs/performance-journal.md, twelfth session). Each weight row is read once for all M rows;
-// the work is split over torch's intra-op threads by output rows, and each 16 (AVX-512) or 8
-// (AVX2) weights are converted to float once for up to 4 input rows. Arithmetic: float32 products
-// and sums (one vector accumulator per input row, then a scalar tail),
-// times the row's scale in float32, rounded once to x's dtype; torch's kernel computes the same
-// quantities, summed in another order.
+// EPYC where a plain read runs at ~33 GB/s: right after a 96 MB copy, one row 1.86 ms with torch's
+// kernel against 1.42 ms here, two rows 2.46 against 1.90 (scripts/profile_int8_linear.py;
+// docs/performance-journal.md, twelfth session). Each weight row is read once for all input rows;
+// the work is split over torch's intra-op threads by output rows; each 16 (AVX-512) or 8 (AVX2)
+// codes are converted to float once for both input rows, and one row runs two FMA chains. From
+// kMaxRows + 1 bf16 rows on, torch's kernel is faster and runs instead. Arithmetic: float32
+// products and sums (vector accumulators, then a scalar tail), times the row's scale in float32,
+// rounded once to x's dtype; torch's kernel computes the same quantities, summed in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
