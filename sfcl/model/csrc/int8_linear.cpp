@@ -30,55 +30,6 @@ constexpr int kRowBlock = 2;           // input rows that share one conversion o
 // copy: M = 1 1.4 vs 1.9 ms, M = 4 3.4 vs 2.9 ms; scripts/profile_int8_linear.py), and runs instead.
 constexpr int64_t kMaxRows = 2;
 
-// out[r] = sum_k float(w[k]) * x[r * K + k] for R input rows x (R, K) float32 and one int8 weight row
-// w (K,): each chunk of w is converted to float once and multiplied into all R rows.
-template <int R>
-inline void dot_i8_rows(const int8_t* w, const float* x, int64_t K, float* out) {
-  int64_t k = 0;
-  float s[R];
-  for (int r = 0; r < R; ++r) s[r] = 0.f;
-#if defined(__AVX512F__)
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  if (R == 1) {  // one row: a second accumulator, so that two FMA chains overlap
-    __m512 b = _mm512_setzero_ps();
-    for (; k + 32 <= K; k += 32) {
-      a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)))),
-                             _mm512_loadu_ps(x + k), a[0]);
-      b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)))),
-                          _mm512_loadu_ps(x + k + 16), b);
-    }
-    a[0] = _mm512_add_ps(a[0], b);
-  }
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + r * K + k), a[r]);
-  }
-  for (int r = 0; r < R; ++r) s[r] = _mm512_reduce_add_ps(a[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
-  if (R == 1) {
-    __m256 b = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)))),
-                             _mm256_loadu_ps(x + k), a[0]);
-      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8)))),
-                          _mm256_loadu_ps(x + k + 8), b);
-    }
-    a[0] = _mm256_add_ps(a[0], b);
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
-    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + r * K + k), a[r]);
-  }
-  for (int r = 0; r < R; ++r) s[r] = hsum256(a[r]);
-#endif
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r) s[r] += float(w[k]) * x[r * K + k];
-  for (int r = 0; r < R; ++r) out[r] = s[r];
-}
-
 }  // namespace
 
 // x (M, K) bfloat16 / float16 / float32, w (N, K) int8 contiguous, scale (N,) of any float dtype ->

@@ -84,30 +84,59 @@ inline float dot_f16(const uint16_t* v, const float* q, int64_t D) {
   return s;
 }
 
-// sum_d float(v[d]) * q[d] for int8 codes v and float32 q.
-inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
-  int64_t d = 0;
-  float s = 0.f;
+// out[r] = sum_k float(w[k]) * x[r * K + k] for R input rows x (R, K) float32 and one int8 weight row
+// w (K,): each chunk of w is converted to float once and multiplied into all R rows.
+template <int R>
+inline void dot_i8_rows(const int8_t* w, const float* x, int64_t K, float* out) {
+  int64_t k = 0;
+  float s[R];
+  for (int r = 0; r < R; ++r) s[r] = 0.f;
 #if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (; d + 32 <= D; d += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d)))),
-                         _mm512_loadu_ps(q + d), a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d + 16)))),
-                         _mm512_loadu_ps(q + d + 16), a1);
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  if (R == 1) {  // one row: a second accumulator, so that two FMA chains overlap
+    __m512 b = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+      a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)))),
+                             _mm512_loadu_ps(x + k), a[0]);
+      b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)))),
+                          _mm512_loadu_ps(x + k + 16), b);
+    }
+    a[0] = _mm512_add_ps(a[0], b);
   }
-  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + r * K + k), a[r]);
+  }
+  for (int r = 0; r < R; ++r) s[r] = _mm512_reduce_add_ps(a[r]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d)))),
-                         _mm256_loadu_ps(q + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + d + 8)))),
-                         _mm256_loadu_ps(q + d + 8), a1);
+  __m256 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+  if (R == 1) {
+    __m256 b = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)))),
+                             _mm256_loadu_ps(x + k), a[0]);
+      b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8)))),
+                          _mm256_loadu_ps(x + k + 8), b);
+    }
+    a[0] = _mm256_add_ps(a[0], b);
   }
-  s = hsum256(_mm256_add_ps(a0, a1));
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + r * K + k), a[r]);
+  }
+  for (int r = 0; r < R; ++r) s[r] = hsum256(a[r]);
 #endif
-  for (; d < D; ++d) s += float(v[d]) * q[d];
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r) s[r] += float(w[k]) * x[r * K + k];
+  for (int r = 0; r < R; ++r) out[r] = s[r];
+}
+
+// sum_d float(v[d]) * q[d] for int8 codes v and float32 q (one row of dot_i8_rows).
+inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
+  float s;
+  dot_i8_rows<1>(v, q, D, &s);
   return s;
 }
 
