@@ -3,7 +3,7 @@
     python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
 
 Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
-IVF pass alone (``torch.ops.sfcl.anchor_search`` on a unit query, top ``--k``; before 2026-12-05
+IVF pass alone (the kernel module's ``anchor_search`` on a unit query, top ``--k``; before 2026-12-05
 faiss's IVF scan), the same pass in torch operators (``ivf_search_torch``, the search without
 SFCL's native kernels), the search again with a pure-Python thread busy beside it (the served
 lookup shares the GIL with the server's event loop), the hit's epilogue
@@ -29,6 +29,7 @@ import torch
 from sfcl.library.index import AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import KIND_NAMES
 from sfcl.library.versions import load_library
+from sfcl.model import decode_kernel
 from sfcl.snapshot.triggers import anchor_confidence_each
 
 
@@ -78,18 +79,19 @@ def main() -> None:
         conf = anchor_confidence_each(s, w[ids], d[ids])
         return [s.tolist(), conf.tolist(), [lib.kind_name(j) for j in ids[0].tolist()]]
 
+    if not index.native:
+        raise SystemExit("SFCL's native kernels are not loaded here (sfcl.model.decode_kernel.load)")
+    native = decode_kernel.module().anchor_search
     src = torch.empty(a.evict_mb * 2**20 // 4)
     dst = torch.empty_like(src)
     cases = [("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
              (f"IVF pass alone (anchor_search), top {a.k}",
-              lambda i: torch.ops.sfcl.anchor_search(unit[i], index.stored, *cells, index.nprobe, a.k, n_cand)),
+              lambda i: native(unit[i], index.stored, *cells, index.nprobe, a.k, n_cand)),
              (f"IVF pass in torch operators, top {a.k}",
               lambda i: ivf_search_torch(c, index.stored, unit[i], index.nprobe, a.k, n_cand)),
              ("hit epilogue, numpy (the lookup's)", epilogue_numpy),
              ("hit epilogue, torch", epilogue_torch),
              ("empty call", lambda i: None)]
-    if not index.native:
-        raise SystemExit("SFCL's native kernels are not loaded here (sfcl.model.decode_kernel.load)")
     print(f"{lib.n_anchors} anchors, IVF with int8 codes, nlist {c.nlist}, nprobe {index.nprobe}, "
           f"{n_cand} candidates re-scored, CPU {torch.backends.cpu.get_cpu_capability()}")
     print(f"| case | warm p50 ms | warm p99 ms | after {a.evict_mb} MB copy p50 ms | p99 ms |")

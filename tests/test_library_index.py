@@ -1,5 +1,5 @@
 """sfcl.library.index.AnchorIndex: dense and IVF top-k search (the IVF pass both as
-torch.ops.sfcl.anchor_search and as its torch operators), the exact re-scoring contract, the exact
+the kernel module's anchor_search and as its torch operators), the exact re-scoring contract, the exact
 fallback of short rows, input handling."""
 
 import numpy as np
@@ -118,7 +118,7 @@ def test_ivf_searches_above_ivf_max_k_are_exact(big, monkeypatch):
     quadratic in k, and so many anchors per query is a scan of most cells anyway)."""
     lib, exact = big
     ivf = AnchorIndex(lib, approximate=True, nprobe=1)
-    monkeypatch.setattr(torch.ops.sfcl, "anchor_search", None, raising=False)  # the IVF pass must not run
+    monkeypatch.setattr(ivf, "_native_search", None)  # the IVF pass must not run
     monkeypatch.setattr(index_module, "ivf_search_torch", None)
     q = torch.randn(5, lib.hidden_size, generator=torch.Generator().manual_seed(2))
     s_ref, i_ref = exact.search(q, 300)
@@ -174,7 +174,9 @@ def test_ivf_is_deterministic_per_library(big):
 def test_ivf_search_leaves_the_calling_threads_torch_thread_count(big):
     """BUG: faiss's omp_set_num_threads(1) bound to torch's libgomp, so a search on the engine
     thread (in-step lookups, steered rows) left it decoding on one thread for good."""
+    import sys
     import threading
+    import time
 
     lib, _ = big
     ivf = AnchorIndex(lib, approximate=True)
@@ -233,7 +235,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_native_pass_equals_the_torch_pass(big, kernel):
-    """torch.ops.sfcl.anchor_search and ivf_search_torch: the same cells, candidates and re-score, so
+    """The native anchor_search and ivf_search_torch: the same cells, candidates and re-score, so
     the same anchors (a near tie at the candidate cut may differ; none here) and the same scores up
     to float32 summation order; short and non-finite rows come back -1 from both."""
     lib, _ = big
@@ -246,12 +248,12 @@ def test_native_pass_equals_the_torch_pass(big, kernel):
     q[7, 0] = float("inf")
     for k in (1, 3, 10):
         args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
-        s_n, i_n = torch.ops.sfcl.anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
+        s_n, i_n = decode_kernel.module().anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
         s_t, i_t = ivf_search_torch(c, ivf.stored, q, ivf.nprobe, k, candidates(k, ivf.n))
         assert torch.equal(i_n, i_t)
         torch.testing.assert_close(s_n, s_t, atol=2e-6, rtol=0)
         assert (i_n[3] == -1).all() and (i_n[7] == -1).all() and (i_n[[0, 1, 2, 4]] >= 0).all()
-    s_n, i_n = torch.ops.sfcl.anchor_search(q[:2], ivf.stored, *args, 1, 200, 200)  # one cell < 200 anchors
+    s_n, i_n = decode_kernel.module().anchor_search(q[:2], ivf.stored, *args, 1, 200, 200)  # one cell < 200 anchors
     assert (i_n == -1).all() and torch.isinf(s_n).all()
 
 
@@ -279,15 +281,57 @@ def test_anchor_search_rejects_inconsistent_arguments(big, kernel):
     for name, value in bad.items():
         args = dict(good, **{name: value})
         with pytest.raises(RuntimeError, match="anchor_search"):
-            torch.ops.sfcl.anchor_search(*args.values(), 12, 3, 19)
+            decode_kernel.module().anchor_search(*args.values(), 12, 3, 19)
     for bad_entry in (-10**9, 10**9):  # a decreasing entry inside (break-it pass: it was a segfault)
         off = c.offsets.clone()
         off[5] = bad_entry
         with pytest.raises(RuntimeError, match="offsets"):
-            torch.ops.sfcl.anchor_search(*dict(good, offsets=off).values(), c.nlist, 3, 19)
+            decode_kernel.module().anchor_search(*dict(good, offsets=off).values(), c.nlist, 3, 19)
     with pytest.raises(RuntimeError, match="anchor_search"):
-        torch.ops.sfcl.anchor_search(*good.values(), 12, 3, 2)  # fewer candidates than k
+        decode_kernel.module().anchor_search(*good.values(), 12, 3, 2)  # fewer candidates than k
     with pytest.raises(RuntimeError, match="anchor_search"):
-        torch.ops.sfcl.anchor_search(*good.values(), 0, 3, 19)
+        decode_kernel.module().anchor_search(*good.values(), 0, 3, 19)
     with pytest.raises(RuntimeError, match="anchor_search"):
-        torch.ops.sfcl.anchor_search(q[:, :-1].contiguous(), *list(good.values())[1:], 12, 3, 19)
+        decode_kernel.module().anchor_search(q[:, :-1].contiguous(), *list(good.values())[1:], 12, 3, 19)
+
+
+def test_native_search_keeps_the_gil(big, kernel):
+    """The native pass is a pybind11 function that holds the GIL for its whole call: a Python thread
+    spinning beside it makes no progress meanwhile (a torch operator releases the GIL, and taking it
+    back from a busy event loop cost served lookups up to the 5 ms switch interval)."""
+    import sys
+    import threading
+    import time
+
+    lib, _ = big
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    assert ivf.native
+    q = torch.randn(4000, lib.hidden_size, generator=torch.Generator().manual_seed(9))  # a call of tens of ms
+    ticks, stop, started = [0], threading.Event(), threading.Event()
+
+    def spin():
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+
+    c = ivf.cells
+    args = (ivf.stored, c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale, ivf.nprobe, 3,
+            candidates(3, ivf.n))
+    search = decode_kernel.module().anchor_search
+    search(q[:1], *args)  # warm
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # the spinner may not force the GIL away between the two reads of ticks
+    t = threading.Thread(target=spin, daemon=True)
+    try:
+        t.start()
+        started.wait()
+        before = ticks[0]
+        t0 = time.perf_counter()
+        search(q, *args)
+        spent = time.perf_counter() - t0
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+    assert spent > 0.005 and during == 0

@@ -19,14 +19,16 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   codes (one float32 scale per row) of the cell centroids and of the anchors, cell by cell. A
   query scores the centroids' codes, scans the ``nprobe`` best cells' codes, keeps
   ``max(4k, k + 16)`` candidates and re-scores them in float32 against the stored float16
-  vectors, so the returned scores are the stored vectors' own. ``torch.ops.sfcl.anchor_search``
-  (``sfcl/model/csrc/anchor_search.cpp``, one call, one thread) runs these steps when SFCL's
-  native kernels are built (``sfcl.model.decode_kernel.load``); :func:`ivf_search_torch` is the
+  vectors, so the returned scores are the stored vectors' own. The kernel module's ``anchor_search``
+  (``sfcl/model/csrc/anchor_search.cpp``, one call, one thread, the GIL held) runs these steps when
+  SFCL's native kernels are built (``sfcl.model.decode_kernel.load``); :func:`ivf_search_torch` is the
   same steps in torch operators, used without them. Why codes and one call: a served lookup
   follows a decode step's forward, which has evicted the caches, and the search's time was
   memory traffic (float32 centroids and float16 lists, ~1 MB per query) and a dozen Python-level
   operations around faiss's scan at tens of microseconds each (docs/performance-journal.md,
-  twelfth session); the int8 codes halve the bytes, the one call removes the operations.
+  twelfth session); the int8 codes halve the bytes, the one call removes the operations. Why the
+  GIL held: a torch operator releases it, and taking it back from the server's busy event loop
+  thread could cost up to the interpreter's 5 ms switch interval (thirteenth session).
 
 The returned scores and their order are exact for the stored vectors (up to float32 summation
 order); what the approximate pass can do is miss a true top-k anchor (a cell not scanned, or an
@@ -102,7 +104,7 @@ class AnchorIndex:
     index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
     anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
     ``IVF_NPROBE``); list_size: anchors per cell on average (default ``IVF_LIST_SIZE``). native:
-    run the IVF pass with ``torch.ops.sfcl.anchor_search`` when SFCL's native kernels load (None
+    run the IVF pass with the kernel module's ``anchor_search`` when SFCL's native kernels load (None
     or True; they are built first if this machine kind has no build, and ``self.native`` says
     whether they loaded), or (False) always with the torch operators of ``ivf_search_torch``.
     A search for more than ``IVF_MAX_K`` anchors per query is exact.
@@ -128,7 +130,8 @@ class AnchorIndex:
         self.kind = "ivf" if approximate and self.n >= IVF_MIN_ANCHORS else "dense"
         self.vectors = None  # (N, D) dense search copy (dense kind only)
         self.cells: IvfCells | None = None
-        self.native = False  # whether the IVF pass runs as torch.ops.sfcl.anchor_search
+        self.native = False  # whether the IVF pass runs natively (the kernel module's anchor_search)
+        self._native_search = None
         self._nprobe = 0
         if self.kind == "dense":
             self.vectors = self.stored if dtype == torch.float16 else self.stored.to(dtype)
@@ -140,7 +143,9 @@ class AnchorIndex:
             if native is not False:
                 from sfcl.model import decode_kernel  # the one native library (built once per machine kind)
 
-                self.native = decode_kernel.load()
+                if decode_kernel.load():
+                    self._native_search = decode_kernel.module().anchor_search
+                self.native = self._native_search is not None
         self.build_s = time.perf_counter() - t0
 
     @property
@@ -178,10 +183,9 @@ class AnchorIndex:
         if q.dtype is not torch.float32 or q.requires_grad or not q.is_contiguous():  # the usual query is all three
             q = q.detach().to(torch.float32).contiguous()
         c = self.cells
-        if self.native:
-            scores, ids = torch.ops.sfcl.anchor_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets,
-                                                       c.members, c.codes, c.code_scale, self._nprobe, k,
-                                                       candidates(k, self.n))
+        if self._native_search is not None:  # keeps the GIL (bindings.cpp)
+            scores, ids = self._native_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets, c.members,
+                                              c.codes, c.code_scale, self._nprobe, k, candidates(k, self.n))
         else:
             scores, ids = ivf_search_torch(c, self.stored, q, self._nprobe, k, candidates(k, self.n))
         i_np = ids.numpy()
@@ -224,7 +228,7 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
                      n_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The IVF pass of ``torch.ops.sfcl.anchor_search`` in torch operators (the search without
+    """The IVF pass of the native ``anchor_search`` in torch operators (the search without
     SFCL's native kernels): same inputs (``cells``, ``stored`` (N, D) float16, queries ``q`` (B, D)
     float32), same steps, same results up to float32 summation order. Returns (scores (B, k)
     float32, ids (B, k) int64), best first; -inf / -1 in rows that are short or not finite.

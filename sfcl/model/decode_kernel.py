@@ -1,12 +1,13 @@
 """SFCL's native CPU kernels: build, load, call.
 
-One library from ``csrc/``: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
-below and by ``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``,
-every decoder layer of a decode-only step in one call; ``sfcl.model.decode_stack``) and
-``torch.ops.sfcl.anchor_search`` (``anchor_search.cpp``, the snapshot lookup's IVF pass;
-``sfcl.library.index``) and ``torch.ops.sfcl.int8_linear`` (``int8_linear.cpp``, the int8 weights'
-GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place of torch's once the library is loaded;
-``loaded``).
+One library from ``csrc/``, a Python extension module (``module``) that also registers torch
+operators: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called below and by
+``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``, every decoder
+layer of a decode-only step in one call; ``sfcl.model.decode_stack``), ``torch.ops.sfcl.int8_linear``
+(``int8_linear.cpp``, the int8 weights' GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place
+of torch's once the library is loaded; ``loaded``), and the module's ``anchor_search``
+(``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
+``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
 
 ``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
 eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
@@ -17,7 +18,7 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
 The sources are compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
--march=native``; ~11 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
+-march=native``; ~25 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
 hashes the sources, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
@@ -30,6 +31,7 @@ consecutive cache rows.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -37,6 +39,7 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -44,15 +47,18 @@ from sfcl.config import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 # one library; see also sfcl.model.decode_stack and sfcl.library.index (anchor_search)
-SOURCES = tuple(CSRC / f for f in ("decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp", "int8_linear.cpp"))
+# bindings.cpp first: the slowest to compile (pybind11's headers), so ninja starts it while the others build
+SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
+                                   "int8_linear.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the source did not write
-OPS = ("decode_attention", "decode_layers", "anchor_search", "int8_linear")  # what a loaded library must register
+OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
+FUNCTIONS = ("anchor_search",)  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "why": str, "seconds": float
+_state: dict[str, object] = {}  # "ok": bool, "why": str, "seconds": float, "module": the loaded module
 
 
 def _cpu_flags() -> str:
@@ -117,10 +123,12 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
             name = build_name()
             final = cache_root(cache_dir) / name / f"{name}.so"
             if _intact(final):
-                torch.ops.load_library(str(final))
+                mod = _import(final, name)
             else:  # absent, or not the file a build wrote (truncated, overwritten): loading could crash
-                _build(name, final, verbose)  # also loads it (from the build folder)
-            _state.update(ok=all(hasattr(torch.ops.sfcl, op) for op in OPS), why="", seconds=time.monotonic() - t0)
+                mod = _build(name, final, verbose)  # also imports it (from the build folder)
+            ok = all(hasattr(torch.ops.sfcl, op) for op in OPS) and all(hasattr(mod, f) for f in FUNCTIONS)
+            _state.update(ok=ok, why="" if ok else "the library lacks an operator", module=mod,
+                          seconds=time.monotonic() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
             text = str(e).strip()
             _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
@@ -142,15 +150,27 @@ def _sha256(path: Path) -> str:
 def _intact(so: Path) -> bool:
     """Whether ``so`` is the library a build wrote: its SHA-256 equals the one the build recorded
     beside it. A truncated library is not merely unloadable: mapping it can kill the process with
-    SIGBUS, which no ``except`` catches, so it is checked before ``load_library`` ever sees it."""
+    SIGBUS, which no ``except`` catches, so it is checked before it is ever imported."""
     try:
         return so.exists() and _digest_path(so).read_text().strip() == _sha256(so)
     except OSError:
         return False
 
 
-def _build(name: str, final: Path, verbose: bool) -> None:
-    """Compile the source, load the library, and move it to ``final`` (see ``load``). Raises
+def _import(so: Path, name: str) -> ModuleType:
+    """The built library ``so`` imported as the extension module ``name`` (its ``PyInit_<name>``;
+    this also registers its torch operators)."""
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so} as {name}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _build(name: str, final: Path, verbose: bool) -> ModuleType:
+    """Compile the sources, import the library, and move it to ``final`` (see ``load``); returns the
+    module. Raises
     RuntimeError when there is no C++ compiler, and whatever torch's builder raises when the build
     fails."""
     import tempfile
@@ -165,11 +185,11 @@ def _build(name: str, final: Path, verbose: bool) -> None:
     if verbose:
         print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 GEMV, anchor search) with the C++ "
               "compiler "
-              "(once per machine kind, ~11 s on 2 cores) ...", file=sys.stderr, flush=True)
+              "(once per machine kind, ~25 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:
-        cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(work),
-                 is_python_module=False, verbose=False)  # builds and loads it from `work`
+        mod = cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(work),
+                       is_python_module=True, verbose=False)  # builds and imports it from `work`
         built = work / f"{name}.so"
         digest = work / "digest"
         digest.write_text(_sha256(built) + "\n")
@@ -177,11 +197,18 @@ def _build(name: str, final: Path, verbose: bool) -> None:
         os.replace(built, final)  # a pair from two concurrent builds finds a mismatch and builds again
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return mod
 
 
 def loaded() -> bool:
     """Whether ``load`` has run in this process and the library is loaded (never builds)."""
     return bool(_state.get("ok", False))
+
+
+def module() -> ModuleType | None:
+    """The loaded kernel module (its functions: ``FUNCTIONS``), or None when ``load`` has not run or
+    failed (never builds)."""
+    return _state.get("module") if loaded() else None  # type: ignore[return-value]
 
 
 def why_unavailable() -> str:

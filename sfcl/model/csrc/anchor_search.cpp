@@ -1,5 +1,6 @@
-// torch.ops.sfcl.anchor_search: the snapshot lookup's IVF pass over a library's anchors in one
-// call (sfcl/library/index.py builds its inputs and holds the torch version of the same steps).
+// sfcl::anchor_search: the snapshot lookup's IVF pass over a library's anchors in one call, bound as
+// the Python function anchor_search of SFCL's kernel module (bindings.cpp; sfcl/library/index.py
+// builds its inputs and holds the torch version of the same steps).
 //
 // Per query row: normalise in float64 (as sfcl.library.index.unit_rows), score the cell centroids
 // (int8 codes times a per-centroid scale), keep the nprobe best cells, score their members' int8
@@ -10,12 +11,13 @@
 // file), with scalar-quantised codes and an exact re-rank. One thread, no allocation per scanned
 // anchor; why one call instead of faiss plus numpy: right after a decode step's forward has
 // evicted the caches, each Python-level operation of a lookup costs tens of microseconds
-// (docs/performance-journal.md, twelfth session).
+// (docs/performance-journal.md, twelfth session). Why a pybind11 function and not a torch operator:
+// torch.ops calls release the GIL, and taking it back from the server's event loop thread cost up
+// to the interpreter's 5 ms switch interval (thirteenth session); the pass runs ~0.1 ms with it held.
 //
 // A row whose query is not finite, or whose cells hold fewer than k anchors, comes back with id
 // -1 in every column that has no anchor; the caller searches such rows exactly.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -142,9 +144,3 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
 }
 
 }  // namespace sfcl
-
-TORCH_LIBRARY_FRAGMENT(sfcl, m) {
-  m.def("anchor_search(Tensor queries, Tensor stored, Tensor centroids, Tensor centroid_scale, Tensor offsets, "
-        "Tensor members, Tensor codes, Tensor code_scale, int nprobe, int k, int n_candidates) -> (Tensor, Tensor)");
-}
-TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("anchor_search", &sfcl::anchor_search); }

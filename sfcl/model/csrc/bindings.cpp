@@ -1,0 +1,34 @@
+// The Python module of SFCL's kernel library (PYBIND11_MODULE, named by the build:
+// sfcl/model/decode_kernel.py). The other kernels are torch operators (torch.ops.sfcl.*, registered
+// in their own files); the snapshot lookup's IVF pass is a plain pybind11 function instead, so it
+// runs with the GIL held: a torch operator releases the GIL for its call, and in a server whose
+// event loop thread is busy, taking it back cost the lookup up to the interpreter's switch interval
+// (5 ms; p99 0.19 vs 2.2 ms with a busy Python thread beside it, docs/performance-journal.md,
+// thirteenth session). Only pybind11 and ATen's headers: torch/extension.h doubles the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <tuple>
+
+namespace sfcl {
+// anchor_search.cpp
+std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, const at::Tensor& stored,
+                                                 const at::Tensor& centroids, const at::Tensor& centroid_scale,
+                                                 const at::Tensor& offsets, const at::Tensor& members,
+                                                 const at::Tensor& codes, const at::Tensor& code_scale,
+                                                 int64_t nprobe, int64_t k, int64_t n_candidates);
+}  // namespace sfcl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "SFCL's native CPU kernels (sfcl.model.decode_kernel)";
+  m.def("anchor_search", &sfcl::anchor_search,
+        "The snapshot lookup's IVF pass (anchor_search.cpp), GIL held: queries (B, D) float32 "
+        "contiguous, stored (N, D) float16, centroids (C, D) int8, centroid_scale (C,) float32, "
+        "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32. "
+        "Returns (scores (B, k) float32, ids (B, k) int64), best first, -inf / -1 where a row has no "
+        "anchor. Raises RuntimeError for arguments that do not fit together.",
+        py::arg("queries"), py::arg("stored"), py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"),
+        py::arg("members"), py::arg("codes"), py::arg("code_scale"), py::arg("nprobe"), py::arg("k"),
+        py::arg("n_candidates"));
+}
