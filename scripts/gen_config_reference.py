@@ -32,6 +32,10 @@ ENV_VARS = (
     ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
      "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
      "flags, torch version and CPU-flags hash)."),
+    ("SFCL_KERNEL_MARCH", "`sfcl.model.decode_kernel` (its `CFLAGS`)",
+     "The `-march=` the kernels are compiled for (default `native`, this CPU's every instruction; e.g. "
+     "`x86-64-v3` for a library that also runs on AVX2-only x86 CPUs, or `haswell` to time the AVX2 code "
+     "paths on an AVX-512 CPU). Part of the build's name, so each value builds its own."),
     ("SFCL_DATA_DIR", "`sfcl.config.contractnli_path` (bench long-document workload, `sfcl eval`, scripts, tests)",
      "Folder holding `contractnli/dev.json`; default: `../shared/data` beside the checkout."),
     ("SFCL_LLAMA_SERVER", "`sfcl llama-server`, `sfcl bench --systems ...,llama-server`",
@@ -39,6 +43,9 @@ ENV_VARS = (
     ("SFCL_MALLOC_TUNING", "`sfcl serve` (`sfcl.engine.host_memory`)",
      "`0` keeps glibc's malloc thresholds; otherwise the mmap threshold is fixed at 32 MiB and the "
      "trim threshold at 1 GiB."),
+    ("SFCL_GC_FREEZE", "`sfcl serve`, Ray Serve replicas (`sfcl.engine.host_memory`)",
+     "`0` leaves Python's garbage collector as it is; otherwise the objects alive once the server has "
+     "loaded are frozen (`gc.freeze`), so no later collection walks them."),
     ("SFCL_TEST_CACHE", "tests",
      "Cache of the test suite's converted weights and built libraries (default `<repo>/.cache/test`)."),
     ("SFCL_FUZZ_EXAMPLES", "`tests/test_fuzz_openapi.py`", "Schemathesis cases per operation."),

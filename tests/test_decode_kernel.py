@@ -237,3 +237,26 @@ def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
     assert again.returncode == 0 and "LOADED" in again.stdout and "NOT LOADED" not in again.stdout
     assert "[ENGINE] compiling" in again.stderr  # rebuilt
     assert so.stat().st_size > 4096
+
+
+def test_kernel_march_comes_from_the_environment():
+    """``SFCL_KERNEL_MARCH`` sets the kernels' ``-march=`` (default native) and is part of the build's
+    name, so a library built for one target is never loaded for another."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sfcl.model.decode_kernel as d\nprint(' '.join(d.CFLAGS))\nprint(d.build_name())\n"
+
+    def run(march):
+        env = {k: v for k, v in os.environ.items() if k != "SFCL_KERNEL_MARCH"}
+        if march is not None:
+            env["SFCL_KERNEL_MARCH"] = march
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split("\n")[:2]
+
+    (flags0, name0), (flags1, name1), (flags2, name2) = run(None), run("x86-64-v3"), run("")
+    assert "-march=native" in flags0.split() and "-march=x86-64-v3" in flags1.split()
+    assert (flags2, name2) == (flags0, name0)  # empty: the default
+    assert name1 != name0

@@ -42,3 +42,33 @@ def test_thresholds_set_put_a_3_mib_block_on_the_heap_and_the_switch_leaves_glib
     assert extra < 64  # a heap chunk: the request rounded up to 16 bytes, plus at most one word
     ok, extra = _run({"SFCL_MALLOC_TUNING": "0"})
     assert ok == "False" and extra >= 100  # glibc's default: mmapped, rounded up to a whole page
+
+
+FREEZE = """
+import gc
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle alive at start-up
+from sfcl.engine.host_memory import freeze_startup_objects
+n = freeze_startup_objects()
+frozen = gc.get_freeze_count()
+tracked = len(gc.get_objects())  # what a full collection would still walk
+print(n, frozen, tracked)
+"""
+
+
+@pytest.mark.parametrize("switch, frozen", [("1", True), ("0", False)])
+def test_freeze_startup_objects_takes_them_out_of_later_collections(switch, frozen):
+    """Frozen, the objects alive at start-up are in the permanent generation (a full collection
+    walks none of them); ``SFCL_GC_FREEZE=0`` leaves the collector as it is."""
+    import os
+
+    env = {**os.environ, "SFCL_GC_FREEZE": switch}
+    out = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    n, count, tracked = (int(x) for x in out.stdout.split())
+    if frozen:
+        assert n == count > 1000 and tracked < 100
+    else:
+        assert n == count == 0 and tracked > 1000

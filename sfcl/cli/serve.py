@@ -67,6 +67,7 @@ def add_parser(sub) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
+    from sfcl.engine.host_memory import freeze_startup_objects
     from sfcl.engine_stack import build_engine
     from sfcl.server.app import create_app
 
@@ -142,6 +143,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # uvicorn re-raises the captured signal after its graceful shutdown, into whatever handler was
     # installed before it started; a no-op SIGTERM handler there turns that into a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    freeze_startup_objects()  # no later collection walks the start-up objects (sfcl.engine.host_memory)
     try:
         server.run()
     finally:

@@ -18,7 +18,7 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
 The sources are compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
--march=native``; ~25 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
+-march=native`` or ``$SFCL_KERNEL_MARCH``; ~25 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
 hashes the sources, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
@@ -51,7 +51,9 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
                                    "int8_linear.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no fused multiply-adds the source did not write
+# -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
+# (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one)
+CFLAGS = ["-O3", f"-march={os.environ.get('SFCL_KERNEL_MARCH') or 'native'}", "-fopenmp-simd", "-ffp-contract=off"]
 OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search",)  # and its module's functions
 HEAD_DIMS = (64, 128)
