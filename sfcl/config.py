@@ -44,8 +44,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 where the CPU runs it natively, else fp32: sfcl.model.hardware) | bfloat16 | float32 | float16
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads of the engine thread for decode (None: serve picks
-    # all cores for a bf16 model on native bf16, else cores - 1, see sfcl.engine_stack.engine_threads;
-    # other commands: torch's default)
+    # all cores, see sfcl.engine_stack.engine_threads; other commands: torch's default)
     weight_quant: str = "auto"  # auto | none | fp16 | int8 | int4: linear-layer weight format (sfcl.model.quant, CPU;
     # auto: sfcl.model.hardware.choose_weight_format picks per machine, none elsewhere than a CPU)
 

@@ -27,7 +27,7 @@ from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 from sfcl.library.versions import load_library
 from sfcl.metrics import PrometheusStatLogger
 from sfcl.model import decode_kernel
-from sfcl.model.hardware import has_native_bf16, resolve_weight_format
+from sfcl.model.hardware import resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
 from sfcl.model.quant import quantize_weights
@@ -210,23 +210,24 @@ class Built:
 _CORES = torch.get_num_threads()  # torch's default, before anything here changes it
 
 
-def engine_threads(threads: int | None, prefill_threads: int | None, cores: int | None = None,
-                   native_bf16: bool = False) -> tuple[int, int]:
+def engine_threads(threads: int | None, prefill_threads: int | None, cores: int | None = None) -> tuple[int, int]:
     """(decode threads, prefill threads) of the server's engine thread.
 
-    Defaults: prefill on all cores (prompt chunks are compute-bound GEMMs: 2,437 vs 1,297 prompt
-    tokens/s on 2 vs 1 thread). Decode depends on the machine kind, each measured behind HTTP with
-    ``sfcl bench`` on 2 cores:
-    - native_bf16 (a bfloat16 model on a CPU with native bf16, ``sfcl.model.hardware``): all cores.
-      AMD EPYC with AVX-512 BF16, 2026-12-04, same run against llama-server: single stream TPOT
-      p50 20.6 ms on 2 threads vs 25.1 on 1, 16 streams 157.9 vs 122.6 tok/s, lookup p50 0.79
-      vs 1.96 ms.
-    - otherwise cores - 1 (at least 1), leaving a core to the HTTP event loop that streams the
-      tokens: on the AVX2-only EPYC (fp32) 14.6 ms per token on 1 thread against 25.6 on 2,
-      whose second OpenMP thread kept being preempted.
+    Defaults: all cores for both, each measured behind HTTP with ``sfcl bench`` on 2 cores.
+    Prefill: prompt chunks are compute-bound GEMMs (2,437 vs 1,297 prompt tokens/s on 2 vs 1
+    thread). Decode:
+    - a bf16 model on the AVX-512 BF16 EPYC, 2026-12-04: single stream TPOT p50 20.6 ms on 2
+      threads vs 25.1 on 1, 16 streams 157.9 vs 122.6 tok/s;
+    - a float32 model (``--dtype auto`` without native bf16) on AVX2 code paths (torch and SFCL's
+      kernels restricted to AVX2 on that EPYC, 2026-12-05, two A/B pairs): TPOT 14.8 / 16.7 ms vs
+      21.1 / 20.4, 16 streams 166.8 / 150.1 vs 143.5 / 139.0 tok/s, 32 streams 159.3 / 160.2 vs
+      135.9 / 129.0. (Until then cores - 1 was the default without native bf16, from an AVX2-only
+      EPYC where 2 threads lost to 1 while a leftover OpenMP pool slowed every 2-thread region;
+      after that fix 2 threads were already faster there, 34.2 / 45.8 vs 55.0 / 51.3 ms;
+      ``docs/performance-journal.md``.)
     cores: torch's default thread count at import (its count of physical cores) unless given."""
     cores = cores or _CORES
-    decode = threads or (cores if native_bf16 else max(1, cores - 1))
+    decode = threads or cores
     return decode, prefill_threads or max(decode, cores)
 
 
@@ -249,12 +250,10 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
         dtype = next(lm.model.parameters()).dtype
-        native = dtype == torch.bfloat16 and torch.device(mcfg.device).type == "cpu" and bool(has_native_bf16())
-        decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads, native_bf16=native)
+        decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)
         mcfg = replace(mcfg, threads=decode_threads)
         ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
-        tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}"
-                   f"{' (native bf16: decode on all cores)' if native else ''}")
+        tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}")
         wq = resolve_weight_format(mcfg.weight_quant, dtype, mcfg.device)
         quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here

@@ -257,13 +257,7 @@ def test_prompt_steps_run_on_prefill_threads_and_decode_steps_on_decode_threads(
         assert threads == (2 if n >= PREFILL_THREADS_MIN_TOKENS else 1), seen
 
 
-def test_engine_threads_defaults():
-    from sfcl.engine_stack import engine_threads
-
-    assert engine_threads(None, None, cores=2) == (1, 2)  # decode leaves the event loop a core
-    assert engine_threads(None, None, cores=1) == (1, 1)
-    assert engine_threads(3, None, cores=8) == (3, 8)
-    assert engine_threads(4, 2, cores=8) == (4, 2)
+def test_engine_config_rejects_zero_prefill_threads():
     with pytest.raises(ValueError, match="prefill_threads"):
         EngineConfig(prefill_threads=0)
 

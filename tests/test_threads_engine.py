@@ -8,13 +8,13 @@ import torch
 def test_engine_threads_defaults_and_explicit():
     from sfcl.engine_stack import engine_threads
 
-    assert engine_threads(None, None, cores=2) == (1, 2)
+    assert engine_threads(None, None, cores=2) == (2, 2)  # decode and prefill on all cores
     assert engine_threads(None, None, cores=1) == (1, 1)
     assert engine_threads(3, None, cores=2) == (3, 3)  # prefill never below decode by default
+    assert engine_threads(3, None, cores=8) == (3, 8)
+    assert engine_threads(1, None, cores=2) == (1, 2)  # --threads wins
     assert engine_threads(1, 4, cores=2) == (1, 4)
     assert engine_threads(4, 1, cores=8) == (4, 1)  # explicit prefill below decode is honoured
-    assert engine_threads(None, None, cores=2, native_bf16=True) == (2, 2)  # bf16 natively: decode on all cores
-    assert engine_threads(1, None, cores=2, native_bf16=True) == (1, 2)  # --threads wins
 
 
 @pytest.mark.parametrize("bad", ["0", "-1"])

@@ -37,9 +37,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(an AVX2-only CPU runs bf16 GEMMs 30-47x slower than fp32); the choice is logged on stderr")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for the engine (serve: for decode steps, default all cores for a bf16 model "
-                        "on a CPU with native bf16, else cores - 1 so the HTTP event loop keeps a core, both "
-                        "measured; other commands: default torch's)")
+                   help="torch threads for the engine (serve: for decode steps, default all cores, measured "
+                        "with bf16 on native bf16 and with float32 on AVX2 code paths; other commands: default "
+                        "torch's)")
     p.add_argument("--cache-dir", default=None,
                    help="cache for converted weights and the default anchor library "
                         "(default $SFCL_CACHE_DIR or ~/.cache/sfcl; put it on local SSD)")
