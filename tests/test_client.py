@@ -33,7 +33,8 @@ def bits(counts) -> float:
 SNAP = {"type": "snapshot_triggered", "status": "snapshot_triggered", "snapshot_id": 0,
         "anchor_id": 5, "confidence": 0.5, "trigger": "entity_low_confidence",
         "triggers": ["entity_low_confidence"], "token_index": 0, "token": "H",
-        "token_logprob": -0.7, "entropy": 1.25, "lookup_ms": 0.3,
+        "token_logprob": -0.7, "entropy": 1.25, "lookup_ms": 0.3, "library_version": "084c3f22b29c",
+        "steer": {"mechanism": "source", "changed": True},
         "top": [{"anchor_id": 5, "score": 0.9, "kind": "general",
                  "span": {"doc_id": "d", "start": 0, "end": 4, "text": "t\u2028x"}}]}
 SNAP_JSON = json.dumps(SNAP, ensure_ascii=False)
@@ -200,6 +201,7 @@ def test_decoder_events_content_both_routes():
             5, 0.5, "entity_low_confidence", 0, "H")
         assert snap.top[0].anchor_id == 5 and snap.top[0].span["text"] == "t\u2028x"
         assert snap.raw == SNAP and snap.snapshot_id == 0 and snap.entropy == 1.25
+        assert (snap.lookup_ms, snap.library_version, snap.steer) == (0.3, "084c3f22b29c", SNAP["steer"])
         assert stop.usage == {"input_tokens": 7, "output_tokens": 3}
         assert stop.snapshots_summary == {"mode": "triggered", "lookups": 1}
         assert stop.stop_reason == ("end_turn" if route == "messages" else "length")

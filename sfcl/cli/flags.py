@@ -37,9 +37,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(an AVX2-only CPU runs bf16 GEMMs 30-47x slower than fp32); the choice is logged on stderr")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for the engine (serve: for decode steps, default all cores, measured "
-                        "with bf16 on native bf16 and with float32 on AVX2 code paths; other commands: default "
-                        "torch's)")
+                   help="torch threads for the engine (default: serve, for decode steps, all cores, measured "
+                        "with bf16 on native bf16 and with float32 on AVX2 code paths; other commands, torch's)")
     p.add_argument("--cache-dir", default=None,
                    help="cache for converted weights and the default anchor library "
                         "(default $SFCL_CACHE_DIR or ~/.cache/sfcl; put it on local SSD)")
@@ -83,7 +82,7 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
     p.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="auto",
                    help="CPU decode: auto = SFCL's fused kernels, attention plus every layer of a decode-only step in "
-                        "one C++ call (compiled with the machine's C++ compiler on first use, ~12 s, cached in the "
+                        "one C++ call (compiled with the machine's C++ compiler on first use, ~25 s on 2 cores, cached in the "
                         "cache dir's kernels/; falls back to torch's operators when they cannot be built), "
                         "attention = the fused attention kernel only, torch = torch's operators")
     p.add_argument("--prefill-threads", type=int, default=None,

@@ -110,6 +110,9 @@ class Snapshot:
     snapshot_id: int | None = None
     token_logprob: float | None = None
     entropy: float | None = None
+    lookup_ms: float | None = None  # the server's anchor search time for this lookup (ms)
+    library_version: str | None = None  # the anchor library searched (changes on a reload)
+    steer: dict | None = None  # what steering did to this token (docs/api.md), None unless the request steers
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,9 @@ class StreamDecoder:
                         token_index=index, token=d.get("token"), top=top,
                         context_entropy=context_entropy(units), raw=d, entropy_basis=basis,
                         entropy_window=len(units), snapshot_id=d.get("snapshot_id"),
-                        token_logprob=d.get("token_logprob"), entropy=d.get("entropy"))
+                        token_logprob=d.get("token_logprob"), entropy=d.get("entropy"),
+                        lookup_ms=d.get("lookup_ms"), library_version=d.get("library_version"),
+                        steer=d.get("steer") if isinstance(d.get("steer"), dict) else None)
 
     def _text_delta(self, text: str) -> TextDelta:
         self._text.append(text)
