@@ -68,3 +68,45 @@ def test_runner_switches_threads_per_step():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+SPIN = """
+import os, sys
+at_torch = []  # GOMP_SPINCOUNT when torch (and with it libgomp, which reads it once) is first imported
+class Hook:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not at_torch:
+            at_torch.append(os.environ.get("GOMP_SPINCOUNT", "-"))
+sys.meta_path.insert(0, Hook())
+import sfcl.cli
+from sfcl.engine.openmp_env import inherited_environ
+print(os.environ.get("GOMP_SPINCOUNT"), at_torch[0], inherited_environ().get("GOMP_SPINCOUNT", "-"))
+"""
+
+
+@pytest.mark.parametrize("given, own, peers", [(None, "1000", "-"), ("77", "77", "77")])
+def test_sfcl_commands_limit_openmp_spinning_and_peers_keep_the_users_setting(given, own, peers):
+    """The ``sfcl`` command sets GOMP_SPINCOUNT=1000 unless the user set it (a spinning libgomp
+    worker collapsed a server on a shared machine), and the programs it starts (llama-server, also
+    libgomp) get the environment as the user had it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    r = subprocess.run([sys.executable, "-c", SPIN], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [own, own, peers]  # set, and set before torch loaded
+
+
+def test_the_openmp_settings_load_without_torch():
+    """``limit_openmp_spinning`` must run before torch loads libgomp, so neither its module nor the
+    packages above it may import torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, sfcl.engine.openmp_env\nprint('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr

@@ -9,7 +9,6 @@ Logs of each server go to files in the bench output folder (an unread pipe would
 
 from __future__ import annotations
 
-import os
 import shlex
 import socket
 import subprocess
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import httpx
+
+from sfcl.engine.openmp_env import inherited_environ
 
 
 def free_port() -> int:
@@ -152,7 +153,7 @@ class ServerProcess:
         self.out_path, self.err_path = log_dir / f"{name}.stdout.log", log_dir / f"{name}.stderr.log"
         self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")
         self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=self._err, cwd=cwd,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                                     env=dict(inherited_environ(), PYTHONUNBUFFERED="1", **(env or {})))
         self.monitor = MemoryMonitor(self.proc.pid)
 
     def _tail(self, n: int = 2000) -> str:

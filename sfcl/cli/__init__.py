@@ -24,8 +24,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sfcl.cli import anchors, bench, generate, ingest, llama_server, serve, soak
-from sfcl.cli import eval as eval_cli
+from sfcl.engine.openmp_env import limit_openmp_spinning
+
+# before torch loads libgomp, which reads GOMP_SPINCOUNT once (sfcl.engine.threads, item 3)
+limit_openmp_spinning()
+
+from sfcl.cli import anchors, bench, generate, ingest, llama_server, serve, soak  # noqa: E402
+from sfcl.cli import eval as eval_cli  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

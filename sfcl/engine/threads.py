@@ -22,6 +22,18 @@ fast the engine's multi-threaded steps (prompt chunks on every core) run:
    engine's count and kept a second pool (``scripts/omp_pools.py``: 42.4 ms, 1.74x, against
    24.1 ms set the fixed way), so every prompt chunk after the first snapshot lookup was slower,
    in every snapshot mode.
+3. **Spinning.** A worker with no work spins ~300,000 iterations before it sleeps. On a machine
+   whose cores other processes also want, the spinning thread takes the time slice the thread it
+   waits for needs, and every parallel region can cost a scheduler slice: with two busy processes
+   beside the server on 2 cores, a 300-token stream took 18.5-20.2 s with gaps of ~1 s (a new
+   user with another server running saw 131 s for 1,500 tokens) against 5.6-6.1 s (p99 gap 32-39
+   ms) with ``GOMP_SPINCOUNT=1000``. On an idle machine 1,000 spins cost 0-8% of a single stream
+   (7.9 / 8.4 vs 7.8 / 8.0 ms per token in process over HTTP; 9.3 / 9.5 vs 8.8 / 8.6 ms TPOT in
+   ``sfcl bench``) and nothing measurable at 16 and 32 streams; ``OMP_WAIT_POLICY=PASSIVE`` (no
+   spinning) cost 55% (12.3-13.1 ms). Set ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a
+   machine that runs nothing else. libgomp reads it once, when
+   torch loads it, so ``sfcl.engine.openmp_env.limit_openmp_spinning`` must run before ``import
+   torch``: the ``sfcl`` command does it first thing (``sfcl.cli``).
 """
 
 from __future__ import annotations
