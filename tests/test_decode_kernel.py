@@ -260,3 +260,11 @@ def test_kernel_march_comes_from_the_environment():
     assert "-march=native" in flags0.split() and "-march=x86-64-v3" in flags1.split()
     assert (flags2, name2) == (flags0, name0)  # empty: the default
     assert name1 != name0
+
+
+def test_a_kernel_march_that_is_not_one_word_is_refused_before_building(tmp_path):
+    """``SFCL_KERNEL_MARCH`` is one ``-march=`` value: anything that would add compiler flags is
+    refused with a line saying so, and nothing is built (break-it pass: "x86-64 -DFOO" built)."""
+    r = _load_in_subprocess(tmp_path, {"SFCL_KERNEL_MARCH": "x86-64 -DFOO"})
+    assert r.returncode == 0 and "NOT LOADED" in r.stdout and "is not a -march= value" in r.stdout
+    assert "using torch's operators" in r.stderr and not (tmp_path / "kernels").exists()

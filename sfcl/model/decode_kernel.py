@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -53,7 +54,8 @@ SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "deco
 HEADERS = (CSRC / "sfcl_kernels.h",)
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
 # (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one)
-CFLAGS = ["-O3", f"-march={os.environ.get('SFCL_KERNEL_MARCH') or 'native'}", "-fopenmp-simd", "-ffp-contract=off"]
+MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-ffp-contract=off"]
 OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search",)  # and its module's functions
 HEAD_DIMS = (64, 128)
@@ -120,6 +122,12 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
         if os.environ.get("SFCL_DECODE_KERNEL", "1") == "0":
             _state.update(ok=False, why="SFCL_DECODE_KERNEL=0")
             return False
+        if not re.fullmatch(r"[A-Za-z0-9._+-]+", MARCH):  # one compiler word, not extra flags
+            _state.update(ok=False, why=f"SFCL_KERNEL_MARCH={MARCH!r} is not a -march= value")
+            if verbose:
+                print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
+                      file=sys.stderr, flush=True)
+            return False
         t0 = time.monotonic()
         try:
             name = build_name()
@@ -132,8 +140,9 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
             _state.update(ok=ok, why="" if ok else "the library lacks an operator", module=mod,
                           seconds=time.monotonic() - t0)
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
-            text = str(e).strip()
-            _state.update(ok=False, why=f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
+            lines = str(e).strip().splitlines()
+            errors = [ln.strip() for ln in lines if "error:" in ln]  # the compiler's own words, not ninja's last line
+            _state.update(ok=False, why=f"{type(e).__name__}: {(errors or lines or [''])[0 if errors else -1]}",
                           seconds=time.monotonic() - t0)
             if verbose:
                 print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
