@@ -122,14 +122,10 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
         if os.environ.get("SFCL_DECODE_KERNEL", "1") == "0":
             _state.update(ok=False, why="SFCL_DECODE_KERNEL=0")
             return False
-        if not re.fullmatch(r"[A-Za-z0-9._+-]+", MARCH):  # one compiler word, not extra flags
-            _state.update(ok=False, why=f"SFCL_KERNEL_MARCH={MARCH!r} is not a -march= value")
-            if verbose:
-                print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
-                      file=sys.stderr, flush=True)
-            return False
         t0 = time.monotonic()
         try:
+            if not re.fullmatch(r"[A-Za-z0-9._+-]+", MARCH):  # one compiler word, not extra flags
+                raise ValueError(f"SFCL_KERNEL_MARCH={MARCH!r} is not a -march= value")
             name = build_name()
             final = cache_root(cache_dir) / name / f"{name}.so"
             if _intact(final):
@@ -142,8 +138,8 @@ def load(verbose: bool = True, cache_dir: str | Path | None = None) -> bool:
         except Exception as e:  # no compiler, no ninja, a failed build, an unwritable cache: torch ops still work
             lines = str(e).strip().splitlines()
             errors = [ln.strip() for ln in lines if "error:" in ln]  # the compiler's own words, not ninja's last line
-            _state.update(ok=False, why=f"{type(e).__name__}: {(errors or lines or [''])[0 if errors else -1]}",
-                          seconds=time.monotonic() - t0)
+            detail = errors[0] if errors else (lines[-1] if lines else "")
+            _state.update(ok=False, why=f"{type(e).__name__}: {detail}", seconds=time.monotonic() - t0)
             if verbose:
                 print(f"[ENGINE] fused decode kernels unavailable ({_state['why']}); using torch's operators",
                       file=sys.stderr, flush=True)
