@@ -19,16 +19,15 @@ near its peak. ``SFCL_MALLOC_TUNING=0`` leaves glibc's defaults (as does a libc 
 ``freeze_startup_objects`` moves every object alive once the server has loaded (model, tokenizer,
 library, the web framework: ~263,000 tracked objects for the default server) into the
 collector's permanent generation (``gc.freeze``, Python >= 3.7), so that no later collection
-traverses them. A full collection took 116-148 ms in the default server and ran during serving
-(a served 16/32-stream bench saw one at 127 ms, and gen-1 collections of 1-1.5 ms); frozen, a
-full collection takes ~0.1 ms (thirteenth session, ``docs/performance-journal.md``). Such a pause
+traverses them. A full collection took 116-162 ms in the default server and ran while it served
+(two unfrozen served runs saw one at 127 and one at 162 ms); frozen, 2.6-2.75 ms served and ~0.1 ms
+in process (thirteenth session, ``docs/performance-journal.md``). Such a pause
 lands on whichever thread allocates: the engine thread between two steps, or the event loop
 holding the GIL while the engine waits for it. The cost: an object alive at start-up that later
 becomes cyclic garbage is never collected (reference counting still frees everything else);
 a server's start-up objects live as long as the server. A reloaded anchor library is not one of
 them: after a reload the start-up library's ``Snapshotter`` and index are freed, frozen or not
-(8 reloads in process, RSS flat). ``SFCL_GC_FREEZE=0`` leaves the
-collector as it is.
+(8 reloads in process, RSS flat). ``SFCL_GC_FREEZE=0`` leaves the collector as it is.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ fast the engine's multi-threaded steps (prompt chunks on every core) run:
    (7.9 / 8.4 vs 7.8 / 8.0 ms per token in process over HTTP; 9.3 / 9.5 vs 8.8 / 8.6 ms TPOT in
    ``sfcl bench``) and nothing measurable at 16 and 32 streams; ``OMP_WAIT_POLICY=PASSIVE`` (no
    spinning) cost 55% (12.3-13.1 ms). Set ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a
-   machine that runs nothing else. libgomp reads it once, when
-   torch loads it, so ``sfcl.engine.openmp_env.limit_openmp_spinning`` must run before ``import
-   torch``: the ``sfcl`` command does it first thing (``sfcl.cli``).
+   machine that runs nothing else. libgomp reads it once, when torch loads it, so
+   ``sfcl.engine.openmp_env.limit_openmp_spinning`` must run before ``import torch``: the ``sfcl``
+   command does it first thing (``sfcl.cli``).
 """
 
 from __future__ import annotations
