@@ -115,7 +115,7 @@ def test_bad_requests_get_api_errors_not_500(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_sigterm_lets_streams_end_with_a_stop_event_and_exits_0(nda_library, cache_dir):
+def test_sigterm_ends_open_streams_with_an_overloaded_error_and_exits_0(nda_library, cache_dir):
     import signal
     import threading
 
@@ -151,7 +151,9 @@ def test_sigterm_lets_streams_end_with_a_stop_event_and_exits_0(nda_library, cac
         t.join(30)
         assert proc.wait(30) == 0
         text = "".join(raw)
-        assert "event: message_stop" in text and '"stop_reason": "max_tokens"' in text.replace('":"', '": "')
+        compact = text.replace('": "', '":"')
+        assert "event: error" in compact and '"type":"overloaded_error"' in compact and "shutting down" in compact
+        assert "event: message_stop" not in text and '"stop_reason":"max_tokens"' not in compact  # not complete
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
     finally:

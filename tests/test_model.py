@@ -138,7 +138,9 @@ def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
     for slot, n in ((0, len(ids[0])), (1, len(ids[1])), (2, n2), (3, n3)):
         k, v = kv.read(layer, slice(slot, slot + 1), n)
         rk, rv = ref_kv.read(layer, slice(slot, slot + 1), n)
-        assert torch.allclose(k, rk, atol=1e-5) and torch.allclose(v, rv, atol=1e-5)
+        # 1e-4: float32 GEMMs of other row counts round differently on some CPUs (2.3e-5 at |K| ~12
+        # on an Intel Xeon with AMX, 2026-12-05); a KV row written to the wrong slot or position is off by ~1
+        assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -35,7 +35,8 @@ def windows(lm):
     return [ids[:300], ids[300:420], ids[420:422]]  # a 2-token window: one position with a next token
 
 
-def test_pass_equals_the_models_all_positions_forward(lm, windows):
+def test_pass_equals_the_models_all_positions_forward(lm_fp32, windows):
+    lm = lm_fp32  # float32: bf16 rounding depends on the row count on some CPUs (test_batching_windows_changes_nothing)
     outs = run_windows(lm.model, windows, LAYER, K)
     for w, o in zip(windows, outs):
         h, ti, tp, sur, disp = reference(lm, w)
@@ -48,7 +49,11 @@ def test_pass_equals_the_models_all_positions_forward(lm, windows):
         torch.testing.assert_close(o.dispersion, disp, atol=1e-4, rtol=0)
 
 
-def test_batching_windows_changes_nothing(lm, windows):
+def test_batching_windows_changes_nothing(lm_fp32, windows):
+    """In float32: on an Intel Xeon with AMX (2026-12-05) bf16 GEMMs round differently for
+    different row counts, and a window batched with others moved bf16 hidden states by up to 3.0
+    (one bf16 step at their magnitude) at 78% of positions."""
+    lm = lm_fp32
     together = run_windows(lm.model, windows, LAYER, K)
     for w, t in zip(windows, together):
         [alone] = run_windows(lm.model, [w], LAYER, K)

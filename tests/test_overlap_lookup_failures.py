@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -157,10 +158,11 @@ def test_reload_with_lookups_in_flight_keeps_the_old_version_until_its_last_requ
     assert gone() is None  # nothing (a finished future, a SeqResult) pins the old version
 
 
-def test_finish_all_with_a_pending_lookup_whose_event_fails(lm, nda_library):
-    """Graceful shutdown past its deadline (``finish_all``, run by the engine thread outside any
-    per-request guard) resolves the overlapped lookups: one whose event cannot be built must end
-    its request with an error, not raise out of the engine thread's command handler."""
+def test_cut_all_with_a_pending_lookup_whose_event_fails(lm, nda_library):
+    """Graceful shutdown past its deadline (``cut_all``, run by the engine thread outside any
+    per-request guard) resolves the overlapped lookups and ends every request with an
+    ``overloaded_error``: one whose snapshot event cannot be built still gets its error, and
+    nothing raises out of the engine thread's command handler."""
     eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=4, prefix_cache_tokens=0, overlap_lookup=True))
     real = eng._snapshot_event
     broken = {"on": False}
@@ -180,12 +182,13 @@ def test_finish_all_with_a_pending_lookup_whose_event_fails(lm, nda_library):
             eng.step()
         assert set(eng.pending) == {"r0", "r1"}
         broken["on"] = True
-        events = eng.finish_all()
+        events = eng.cut_all()
     finally:
         eng.runner.close()
     by = {rid: [e for r, e in events if r == rid] for rid in ("r0", "r1")}
-    assert isinstance(by["r0"][-1], ErrorEvent)
-    assert isinstance(by["r1"][-1], Finished) and isinstance(by["r1"][0], SnapshotEvent)
+    assert all(isinstance(by[r][-1], ErrorEvent) and by[r][-1].type == "overloaded_error" for r in by)
+    assert re.search(r"stopped after [1-9]\d* output tokens", by["r1"][-1].message)
+    assert isinstance(by["r1"][0], SnapshotEvent)  # r1's overlapped lookup is delivered before its error
     assert not eng.requests and not eng.pending and eng.scheduler.num_running == 0
 
 

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                    help="keyword-boost rules added to the library's own: a JSON list of {\"keywords\": [...], "
                         "\"kinds\": [\"domain\"], \"multiplier\": 1.5}")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds open streams may run after SIGTERM before they are ended with a stop event")
+                   help="seconds open streams may run after SIGTERM before they are ended with an overloaded_error event")
     # -- scale-out on Ray Serve (sfcl.cluster; extra sfcl[ray]); docs/scale-out.md --------------
     r = s.add_argument_group("scale-out (Ray Serve)")
     r.add_argument("--replicas", type=int, default=None,
@@ -113,8 +113,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGHUP, reload_on_sighup)
     # Graceful shutdown: on SIGTERM/SIGINT uvicorn stops accepting and waits for open streams;
-    # after --shutdown-timeout the engine ends whatever still runs with a proper stop event
-    # (stop_reason max_tokens), so clients see a well-formed end, and the process exits 0.
+    # after --shutdown-timeout the engine ends whatever still runs with an overloaded_error event
+    # (a well-formed end that says the answer was cut, so clients retry), and the process exits 0.
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                                            timeout_graceful_shutdown=a.shutdown_timeout + 5))
     uvicorn_exit = server.handle_exit
@@ -125,7 +125,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     AppStatus.disable_automatic_graceful_drain()
 
     def past_deadline() -> None:
-        built.engine.finish_all()  # streams end with message_delta/message_stop, [DONE]
+        built.engine.cut_all()  # streams end with an error event: overloaded_error, 'retry'
         t2 = threading.Timer(3.0, lambda: setattr(AppStatus, "should_exit", True))  # safety net
         t2.daemon = True
         t2.start()

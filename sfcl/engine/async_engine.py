@@ -143,9 +143,10 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
-    def finish_all(self) -> None:
-        """Ask the thread to end every request with a stop event (graceful-shutdown deadline)."""
-        self.inbox.put(("finish_all",))
+    def cut_all(self) -> None:
+        """Ask the thread to end every request now with an ``overloaded_error`` (graceful-shutdown deadline;
+        ``LLMEngine.cut_all``)."""
+        self.inbox.put(("cut_all",))
 
     def _emit(self, events) -> None:
         """Deliver (request id, event) pairs in order: QueueSinks batched per loop (one wake-up
@@ -187,8 +188,8 @@ class EngineThread:
                 fut.set_result(None)
             except Exception as e:  # pragma: no cover - swap_library only assigns
                 fut.set_exception(e)
-        elif cmd[0] == "finish_all":
-            self._emit(self.engine.finish_all())
+        elif cmd[0] == "cut_all":
+            self._emit(self.engine.cut_all())
         elif cmd[0] == "ping":  # health check: answered between two steps, so a stuck step shows
             cmd[1].set_result(self.steps)
         elif cmd[0] == "abort":
@@ -342,8 +343,8 @@ class AsyncEngine:
                 "overlap_lookup": self.engine.runner.overlap_lookup,
                 **self._extra_health}
 
-    def finish_all(self) -> None:
-        self.thread.finish_all()
+    def cut_all(self) -> None:
+        self.thread.cut_all()
 
     async def check_engine_thread(self, timeout_s: float = 20.0) -> int:
         """Health check of the engine thread itself (not only the event loop): it must be alive and

@@ -96,14 +96,29 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def finish_all(self, reason: str = "max_tokens") -> list[tuple[str, EngineEvent]]:
-        """End every request now with a proper ``Finished`` (graceful shutdown past its deadline)."""
+    def cut_all(self) -> list[tuple[str, EngineEvent]]:
+        """End every request now (graceful shutdown past its deadline): each gets what it is owed
+        so far (an overlapped lookup's snapshot event, the detokenizer's held-back text), then an
+        ``ErrorEvent`` of type ``overloaded_error`` saying how many tokens it got, so that a client
+        retries instead of reading a cut answer as complete (a ``stop_reason`` of ``max_tokens``
+        would claim the answer hit the limit it asked for). Never raises: a request whose pending
+        snapshot cannot be built still gets its error."""
         events: list[tuple[str, EngineEvent]] = []
         for st in list(self.requests.values()):
-            try:  # _finish resolves an overlapped lookup: its event may fail to build
-                events.extend(self._finish(st, reason, None))
-            except Exception:  # that request ends with an error; the others, and the engine thread, go on
-                events.extend(self._fail(st.seq))
+            seq, rid = st.seq, st.seq.request_id
+            try:
+                if st.pending is not None:
+                    events.extend(self._resolve(st))
+                tail = st.detok.flush()
+                if tail:
+                    events.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
+            except Exception:  # the error below still ends this request; the others go on
+                log.exception("request %s: could not flush its last events at shutdown", rid)
+            self.scheduler.finish(seq, "aborted")
+            self._drop(rid)
+            events.append((rid, ErrorEvent(
+                f"the server is shutting down: generation stopped after {len(seq.output_ids)} output tokens; "
+                "retry the request", "overloaded_error", tag=seq.params.tag)))
         return events
 
     # -- the step ------------------------------------------------------------------------------
