@@ -75,3 +75,53 @@ def test_failed_download_names_the_log(tmp_path, monkeypatch):
         ls.build_llama_server(tmp_path, "0.0.1", progress=False)
     assert made and not os.path.exists(made[0])
     assert not ls.cached_binary(tmp_path, "0.0.1").exists()
+
+
+FAKE_SERVER = """#!{python}
+import http.server, os, signal, sys
+argv = sys.argv[1:]
+if "--no-repack" not in argv:
+    os.kill(os.getpid(), signal.SIGSEGV)  # what llama.cpp's AMX matmul did on an Intel Xeon with AMX
+port = int(argv[argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_server_killed_by_a_signal_is_started_again_without_repacking(tmp_path):
+    import sys
+
+    from sfcl.bench.config import BenchConfig
+    from sfcl.bench.run import Results, _start_llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER.format(python=sys.executable))
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    res, extra = Results(), ["--flash-attn", "off"]
+    cfg = BenchConfig(ready_timeout=30)
+    with _start_llama_server(binary, "/m.gguf", 4, 512, cfg, extra, res, tmp_path) as srv:
+        assert srv.proc.poll() is None and srv.argv[-1] == "--no-repack"
+    assert extra == ["--flash-attn", "off", "--no-repack"]  # later levels start without repacking at once
+    assert len(res.notes) == 1 and "signal 11" in res.notes[0] and "--no-repack" in res.notes[0]
+    with _start_llama_server(binary, "/m.gguf", 1, 512, cfg, extra, res, tmp_path) as srv:
+        assert srv.argv.count("--no-repack") == 1
+    assert len(res.notes) == 1
+
+
+def test_a_server_that_crashes_without_repacking_too_is_an_error(tmp_path):
+    from sfcl.bench.config import BenchConfig
+    from sfcl.bench.run import Results, _start_llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    res = Results()
+    with pytest.raises(RuntimeError, match="exited with code -11"):
+        _start_llama_server(binary, "/m.gguf", 1, 512, BenchConfig(ready_timeout=30), [], res, tmp_path)
+    assert len(res.notes) == 1  # retried once, with --no-repack, then gave up

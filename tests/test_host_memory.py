@@ -72,3 +72,39 @@ def test_freeze_startup_objects_takes_them_out_of_later_collections(switch, froz
         assert n == count > 1000 and tracked < 100
     else:
         assert n == count == 0 and tracked > 1000
+
+
+TRIM = """
+import ctypes, ctypes.util
+from sfcl.engine.host_memory import keep_freed_memory, return_freed_memory
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+ok = keep_freed_memory()
+base = rss_mib()
+blocks = [libc.malloc(1 << 20) for _ in range(200)]  # 200 MiB on the heap (below the mmap threshold)
+for p in blocks:
+    ctypes.memset(p, 1, 1 << 20)  # touch every page
+held = rss_mib()
+for p in reversed(blocks):
+    libc.free(p)
+kept = rss_mib()  # under the 1 GiB trim threshold freed memory stays mapped
+released = return_freed_memory()
+print(ok, released, round(held - base), round(kept - base), round(rss_mib() - base))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_return_freed_memory_hands_back_what_the_thresholds_keep():
+    out = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ok, released, held, kept, after = out.stdout.split()
+    if ok != "True":
+        pytest.skip("not glibc")
+    assert int(held) >= 190 and int(kept) >= 190  # the thresholds keep the freed 200 MiB mapped
+    assert released == "True" and int(after) < 20  # malloc_trim(0) returned it

@@ -348,7 +348,6 @@ def run_llama_server(cfg: BenchConfig, plan: Plan, res: Results, out: Path, bina
     each level gets the slots it needs and no more, and its peak RSS is its own. Each slot holds
     ``--llama-server-ctx`` tokens (the long-document server at least the document + answer).
     Raises RuntimeError when a server does not come up (the caller notes it)."""
-    from sfcl.bench.llama_server import llama_server_argv
     from sfcl.model.loader import resolve_model
 
     src = resolve_model(cfg.model)
@@ -365,17 +364,47 @@ def run_llama_server(cfg: BenchConfig, plan: Plan, res: Results, out: Path, bina
     if "longdoc" in plan.workloads and doc is not None:
         need = len(doc.text) // 2 + plan.longdoc_max_tokens + 256  # generous: >= 2 characters per token
         runs.append((1, max(cfg.llama_server_ctx, need), dataclasses.replace(plan, workloads=("longdoc",))))
+    extra = shlex.split(cfg.llama_server_args)
     for n_par, ctx, sub in runs:
-        port = peers.free_port()
-        argv = llama_server_argv(binary, str(src.path), port, n_parallel=n_par, ctx_per_slot=ctx, threads=cfg.threads,
-                                 extra=shlex.split(cfg.llama_server_args))
-        with peers.ServerProcess(f"llama-server-np{n_par}", argv, port, out / "logs", ready_path="/health") as srv:
-            srv.wait_ready(cfg.ready_timeout)
+        with _start_llama_server(binary, str(src.path), n_par, ctx, cfg, extra, res, out) as srv:
+            argv = srv.argv
             t = _target("llama-server", srv.url, plan)
             if not any(n.startswith("llama-server:") for n in res.notes):
                 res.notes.append(_eos_note(t, plan) + f"; `{shlex.join(argv[1:])}` per level (-np = the level, "
                                  f"-c = np x {cfg.llama_server_ctx})")
             bench_http(t, sub, res, tag=f"ls{n_par}", doc=doc, monitor=srv.monitor, snapshots=False)
+
+
+NO_REPACK = "--no-repack"
+
+
+def _start_llama_server(binary: Path, gguf: str, n_par: int, ctx: int, cfg: BenchConfig, extra: list[str],
+                        res: Results, out: Path) -> peers.ServerProcess:
+    """A ready ``llama-server`` with ``n_par`` slots. If it dies from a signal before it is ready and
+    weight repacking is on, it is started once more with ``--no-repack`` (``extra`` keeps the flag for
+    later levels, and the run's notes say so): on an Intel Xeon with AMX (2026-12-05), llama.cpp
+    0.3.36's AMX matmul (``ggml_backend_amx_mul_mat``, used for repacked weights) segfaulted in the
+    warm-up. Raises RuntimeError when it does not come up."""
+    from sfcl.bench.llama_server import llama_server_argv
+
+    while True:
+        port = peers.free_port()
+        argv = llama_server_argv(binary, gguf, port, n_parallel=n_par, ctx_per_slot=ctx, threads=cfg.threads,
+                                 extra=extra)
+        srv = peers.ServerProcess(f"llama-server-np{n_par}", argv, port, out / "logs", ready_path="/health")
+        try:
+            srv.wait_ready(cfg.ready_timeout)
+            return srv
+        except RuntimeError as e:
+            srv.stop()
+            code = srv.proc.returncode
+            if code is None or code >= 0 or NO_REPACK in extra or "-nr" in extra:
+                raise
+            extra.append(NO_REPACK)
+            msg = (f"llama-server crashed: killed by signal {-code} before it was ready with weight repacking on "
+                   f"(ggml's AMX / repacked-weight kernels); every level ran with {NO_REPACK}")
+            res.notes.append(msg)
+            print(f"sfcl bench: {msg}; first error: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
 def run_llama_server_peer(cfg: BenchConfig, plan: Plan, res: Results, out: Path) -> None:

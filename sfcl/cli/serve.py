@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from sfcl.engine.host_memory import freeze_startup_objects
+    from sfcl.engine.host_memory import freeze_startup_objects, return_freed_memory
     from sfcl.engine_stack import build_engine
     from sfcl.server.app import create_app
 
@@ -144,6 +144,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # installed before it started; a no-op SIGTERM handler there turns that into a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     freeze_startup_objects()  # no later collection walks the start-up objects (sfcl.engine.host_memory)
+    return_freed_memory()  # what loading freed (conversion, index build) goes back to the kernel
     try:
         server.run()
     finally:

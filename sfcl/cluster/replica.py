@@ -63,12 +63,13 @@ class ReportHub:
 class EngineReplica:
     async def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, hub,
                      report_interval_s: float):
-        from sfcl.engine.host_memory import freeze_startup_objects
+        from sfcl.engine.host_memory import freeze_startup_objects, return_freed_memory
         from sfcl.engine_stack import build_engine
 
         # off the event loop: loading takes seconds to minutes, and Serve polls the replica meanwhile
         built = await asyncio.to_thread(build_engine, mcfg, ecfg, scfg, False)
         freeze_startup_objects()  # a replica's actor process serves only this engine (sfcl.engine.host_memory)
+        return_freed_memory()  # what loading freed (conversion, index build) goes back to the kernel
         self._engine = built.engine  # it owns the anchor library from here on
         self._hub = hub
         self._interval = report_interval_s

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable
 
 from sfcl.engine.engine import LLMEngine
 from sfcl.engine.events import EngineEvent, ErrorEvent, Finished
+from sfcl.engine.host_memory import return_freed_memory
 from sfcl.engine.protocol import EngineBusyError
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import QueueFullError
@@ -304,6 +305,9 @@ class AsyncEngine:
             fut: cf.Future = cf.Future()
             self.thread.inbox.put(("swap", lib, snap, fut))
             fut.result(timeout=timeout_s)
+            # the old library (unless running requests still hold it) and the index build's
+            # temporaries are free now: give their pages back instead of keeping them for the step
+            return_freed_memory()
             self.snapshots_available = True
             self.metrics.snapshots_enabled.set(1)
             log.warning("anchor library reloaded: %s", lib.path)

@@ -65,6 +65,23 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def return_freed_memory() -> bool:
+    """``malloc_trim(0)``: hand the heap's free pages back to the kernel, in every arena, whatever
+    the trim threshold (``keep_freed_memory`` keeps up to 1 GiB mapped for the decode step's
+    temporaries). For after a one-off release of a large structure, such as an anchor reload:
+    without it each reload kept the old library's freed index memory mapped (RSS +72 MiB over 8
+    SIGHUP reloads of the default library, then flat; Intel Xeon, 2026-12-05). Returns True when
+    memory was released, False when none was or the C library is not glibc. Never raises."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim(0) == 1
+
+
 def freeze_startup_objects() -> int:
     """``gc.collect()`` then ``gc.freeze()`` (see the module docstring): call once in a serving
     process after the engine and the app are built, not in a process that goes on creating and
