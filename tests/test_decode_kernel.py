@@ -268,3 +268,22 @@ def test_a_kernel_march_that_is_not_one_word_is_refused_before_building(tmp_path
     r = _load_in_subprocess(tmp_path, {"SFCL_KERNEL_MARCH": "x86-64 -DFOO"})
     assert r.returncode == 0 and "NOT LOADED" in r.stdout and "is not a -march= value" in r.stdout
     assert "using torch's operators" in r.stderr and not (tmp_path / "kernels").exists()
+
+
+def test_the_kernels_split_work_over_torchs_threads(kernel):
+    """The library is built with OpenMP, so at::parallel_for uses torch's intra-op threads (built
+    without it, every kernel ran on one thread and this returned 1); and it shares torch's OpenMP
+    runtime: one libgomp in the process."""
+    import re
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel.module().parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert kernel.module().parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
+    with open("/proc/self/maps") as f:
+        gomp = {m for m in re.findall(r"\S*/libgomp[^/\s]*\.so[.\d]*", f.read())}
+    assert len(gomp) == 1, gomp

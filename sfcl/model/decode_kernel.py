@@ -53,11 +53,17 @@ SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "deco
                                    "int8_linear.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
-# (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one)
+# (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one).
+# -fopenmp: at::parallel_for is a header template that splits work over torch's intra-op threads only
+# when compiled with OpenMP (ATen/Parallel-inl.h: INTRA_OP_PARALLEL comes from _OPENMP); without it every
+# kernel here ran on one thread whatever --threads said (until 2026-12-05: the int8 lm_head took 3.2 ms
+# per step on an Intel Xeon, 1.5 ms on two threads). The library's libgomp.so.1 resolves to the copy
+# torch has already loaded (same soname), so it shares torch's OpenMP runtime and thread pools.
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
-CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-ffp-contract=off"]
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
-FUNCTIONS = ("anchor_search",)  # and its module's functions
+FUNCTIONS = ("anchor_search", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 
@@ -79,7 +85,7 @@ def build_name() -> str:
     """Extension name: hashes what the binary depends on (source, flags, torch, CPU flags)."""
     h = hashlib.sha256()
     parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (*parts, " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
         h.update(part)
     return f"sfcl_kernels_{h.hexdigest()[:16]}"
 
@@ -195,8 +201,8 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
               "(once per machine kind, ~25 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     try:
-        mod = cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, build_directory=str(work),
-                       is_python_module=True, verbose=False)  # builds and imports it from `work`
+        mod = cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                       build_directory=str(work), is_python_module=True, verbose=False)  # builds and imports it from `work`
         built = work / f"{name}.so"
         digest = work / "digest"
         digest.write_text(_sha256(built) + "\n")

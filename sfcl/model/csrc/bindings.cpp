@@ -6,8 +6,11 @@
 // (5 ms; p99 0.19 vs 2.2 ms with a busy Python thread beside it, docs/performance-journal.md,
 // thirteenth session). Only pybind11 and ATen's headers: torch/extension.h doubles the build time.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <cstdint>
 #include <tuple>
 
 namespace sfcl {
@@ -17,6 +20,15 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
                                                  const at::Tensor& offsets, const at::Tensor& members,
                                                  const at::Tensor& codes, const at::Tensor& code_scale,
                                                  int64_t nprobe, int64_t k, int64_t n_candidates);
+
+// How many of torch's intra-op threads an at::parallel_for over n items (grain 1) in this library
+// runs on: 1 when the library was built without OpenMP, whatever torch.get_num_threads() says
+// (decode_kernel.py, CFLAGS).
+inline int64_t parallel_threads(int64_t n) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63)); });
+  return __builtin_popcountll(seen.load());
+}
 }  // namespace sfcl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,4 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("queries"), py::arg("stored"), py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"),
         py::arg("members"), py::arg("codes"), py::arg("code_scale"), py::arg("nprobe"), py::arg("k"),
         py::arg("n_candidates"));
+  m.def("parallel_threads", &sfcl::parallel_threads,
+        "Threads an at::parallel_for over n items (grain 1) runs on in this library (1 without OpenMP).",
+        py::arg("n"));
 }

@@ -6,7 +6,9 @@
 // lm_head: 28 MB per step), and torch 2.13's CPU kernel read them at ~15 GB/s on the 2-core AVX-512
 // EPYC where a plain read runs at ~33 GB/s: right after a 96 MB copy, one row 1.86 ms with torch's
 // kernel against 1.42 ms here, two rows 2.46 against 1.90 (scripts/profile_int8_linear.py;
-// docs/performance-journal.md, twelfth session). Each weight row is read once for all input rows;
+// docs/performance-journal.md, twelfth session; this kernel then ran on one thread, the library
+// being built without OpenMP). On an Intel Xeon on two threads (2026-12-05): 1.64 against 1.71 ms,
+// on one thread 3.6 ms. Each weight row is read once for all input rows;
 // the work is split over torch's intra-op threads by output rows; each 16 (AVX-512) or 8 (AVX2)
 // codes are converted to float once for both input rows, and one row runs two FMA chains. From
 // kMaxRows + 1 bf16 rows on, torch's kernel is faster and runs instead. Arithmetic: float32
