@@ -98,20 +98,15 @@ class LLMEngine:
 
     def cut_all(self) -> list[tuple[str, EngineEvent]]:
         """End every request now (graceful shutdown past its deadline): each gets what it is owed
-        so far (an overlapped lookup's snapshot event, the detokenizer's held-back text), then an
-        ``ErrorEvent`` of type ``overloaded_error`` saying how many tokens it got, so that a client
-        retries instead of reading a cut answer as complete (a ``stop_reason`` of ``max_tokens``
-        would claim the answer hit the limit it asked for). Never raises: a request whose pending
-        snapshot cannot be built still gets its error."""
+        (``_flush``), then an ``ErrorEvent`` of type ``overloaded_error`` saying how many tokens it
+        got, so that a client retries instead of reading a cut answer as complete (a ``stop_reason``
+        of ``max_tokens`` would claim the answer hit the limit it asked for). Never raises: a
+        request whose pending snapshot cannot be built still gets its error."""
         events: list[tuple[str, EngineEvent]] = []
         for st in list(self.requests.values()):
             seq, rid = st.seq, st.seq.request_id
             try:
-                if st.pending is not None:
-                    events.extend(self._resolve(st))
-                tail = st.detok.flush()
-                if tail:
-                    events.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
+                events.extend(self._flush(st))
             except Exception:  # the error below still ends this request; the others go on
                 log.exception("request %s: could not flush its last events at shutdown", rid)
             self.scheduler.finish(seq, "aborted")
@@ -240,12 +235,19 @@ class LLMEngine:
                 "unsupported": info.supported is False, "source_span": span, "reason": info.reason or None,
                 "lambda": info.lam, "alpha": info.alpha}
 
-    def _finish(self, st: RequestState, reason: str, stop_seq: str | None) -> list[tuple[str, EngineEvent]]:
-        seq, rid = st.seq, st.seq.request_id
+    def _flush(self, st: RequestState) -> list[tuple[str, EngineEvent]]:
+        """What a request is owed before it ends: its overlapped lookup's snapshot event and the
+        text the detokenizer still holds back."""
+        rid = st.seq.request_id
         ev: list[tuple[str, EngineEvent]] = self._resolve(st) if st.pending is not None else []
         tail = st.detok.flush()
         if tail:
-            ev.append((rid, TextDelta(text=tail, token_index=len(seq.output_ids) - 1)))
+            ev.append((rid, TextDelta(text=tail, token_index=len(st.seq.output_ids) - 1)))
+        return ev
+
+    def _finish(self, st: RequestState, reason: str, stop_seq: str | None) -> list[tuple[str, EngineEvent]]:
+        seq, rid = st.seq, st.seq.request_id
+        ev = self._flush(st)
         self.scheduler.finish(seq, reason)
         n_out = len(seq.output_ids)
         lib = st.bind.snap.lib if st.bind is not None else self.library
