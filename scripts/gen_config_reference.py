@@ -43,11 +43,12 @@ ENV_VARS = (
     ("SFCL_MALLOC_TUNING", "`sfcl serve` (`sfcl.engine.host_memory`)",
      "`0` keeps glibc's malloc thresholds; otherwise the mmap threshold is fixed at 32 MiB and the "
      "trim threshold at 1 GiB."),
-    ("GOMP_SPINCOUNT", "GNU OpenMP (torch's intra-op threads); `sfcl` sets it to 1000 unless set "
+    ("GOMP_SPINCOUNT", "GNU OpenMP (torch's intra-op threads); `sfcl` sets it to 10000 unless set "
      "(`sfcl.engine.openmp_env`)",
-     "Spins of an idle OpenMP worker before it sleeps. 1,000 keeps a server usable when other processes "
-     "share its cores (libgomp's default 300,000 gave ~1 s gaps between tokens there); 300000 can be "
-     "0-8% faster for a single stream on an otherwise idle machine. Programs `sfcl bench` starts "
+     "Spins of an idle OpenMP worker before it sleeps. 10,000 keeps a server usable when other processes "
+     "share its cores (libgomp's default 300,000 gave ~1 s gaps between tokens there) without waking a "
+     "sleeping worker at every parallel region (1,000 spins cost one stream 15-45% on an idle Intel Xeon); "
+     "300000 can be a little faster on a machine that runs nothing else. Programs `sfcl bench` starts "
      "(llama-server) get the value the user had."),
     ("SFCL_GC_FREEZE", "`sfcl serve`, Ray Serve replicas (`sfcl.engine.host_memory`)",
      "`0` leaves Python's garbage collector as it is; otherwise the objects alive once the server has "

@@ -84,9 +84,9 @@ print(os.environ.get("GOMP_SPINCOUNT"), at_torch[0], inherited_environ().get("GO
 """
 
 
-@pytest.mark.parametrize("given, own, peers", [(None, "1000", "-"), ("77", "77", "77")])
+@pytest.mark.parametrize("given, own, peers", [(None, "10000", "-"), ("77", "77", "77")])
 def test_sfcl_commands_limit_openmp_spinning_and_peers_keep_the_users_setting(given, own, peers):
-    """The ``sfcl`` command sets GOMP_SPINCOUNT=1000 unless the user set it (a spinning libgomp
+    """The ``sfcl`` command sets GOMP_SPINCOUNT=10000 unless the user set it (a spinning libgomp
     worker collapsed a server on a shared machine), and the programs it starts (llama-server, also
     libgomp) get the environment as the user had it."""
     import os

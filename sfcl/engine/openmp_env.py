@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-OPENMP_SPINCOUNT = "1000"  # GOMP_SPINCOUNT for SFCL's processes (sfcl.engine.threads, item 3)
+OPENMP_SPINCOUNT = "10000"  # GOMP_SPINCOUNT for SFCL's processes (sfcl.engine.threads, item 3)
 _UNSET = object()
 _inherited: object = _UNSET  # GOMP_SPINCOUNT before limit_openmp_spinning: a str, None (absent), or _UNSET (not run)
 

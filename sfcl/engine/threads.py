@@ -27,11 +27,14 @@ fast the engine's multi-threaded steps (prompt chunks on every core) run:
    waits for needs, and every parallel region can cost a scheduler slice: with two busy processes
    beside the server on 2 cores, a 300-token stream took 18.5-20.2 s with gaps of ~1 s (a new
    user with another server running saw 131 s for 1,500 tokens) against 5.6-6.1 s (p99 gap 32-39
-   ms) with ``GOMP_SPINCOUNT=1000``. On an idle machine 1,000 spins cost 0-8% of a single stream
-   (7.9 / 8.4 vs 7.8 / 8.0 ms per token in process over HTTP; 9.3 / 9.5 vs 8.8 / 8.6 ms TPOT in
-   ``sfcl bench``) and nothing measurable at 16 and 32 streams; ``OMP_WAIT_POLICY=PASSIVE`` (no
-   spinning) cost 55% (12.3-13.1 ms). Set ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a
-   machine that runs nothing else. libgomp reads it once, when torch loads it, so
+   ms) with ``GOMP_SPINCOUNT=1000``. But too few spins cost an idle machine: a worker asleep at
+   each of a step's ~150 parallel regions must be woken, and on an Intel Xeon (2026-12-05) one
+   stream took 8.7-9.9 ms per token at 1,000 spins against 7.5-8.5 at 10,000, and on AVX2 code
+   paths 17.5-18.4 against 12.1-13.3 (11.6-12.6 at libgomp's 300,000). With two busy processes
+   beside it, 10,000 spins gave 7.2-8.2 s for the 300 tokens (p99 gap 36-60 ms), 1,000 spins
+   5.7-8.8 s, 30,000 16.9 s (p99 140 ms). So ``sfcl`` sets 10,000 (``OPENMP_SPINCOUNT``);
+   ``OMP_WAIT_POLICY=PASSIVE`` (no spinning) cost 55% (12.3-13.1 ms on the EPYC). Set
+   ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a machine that runs nothing else. libgomp reads it once, when torch loads it, so
    ``sfcl.engine.openmp_env.limit_openmp_spinning`` must run before ``import torch``: the ``sfcl``
    command does it first thing (``sfcl.cli``).
 """
