@@ -10,9 +10,9 @@ import pytest
 from sfcl.bench import llama_server as ls
 
 
-def _exe(path):
+def _exe(path, text="#!/bin/sh\necho fake\n"):
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\necho fake\n")
+    path.write_text(text)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path
 
@@ -100,9 +100,7 @@ def test_a_server_killed_by_a_signal_is_started_again_without_repacking(tmp_path
     from sfcl.bench.config import BenchConfig
     from sfcl.bench.run import Results, _start_llama_server
 
-    binary = tmp_path / "llama-server"
-    binary.write_text(FAKE_SERVER.format(python=sys.executable))
-    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    binary = _exe(tmp_path / "llama-server", FAKE_SERVER.format(python=sys.executable))
     res, extra = Results(), ["--flash-attn", "off"]
     cfg = BenchConfig(ready_timeout=30)
     with _start_llama_server(binary, "/m.gguf", 4, 512, cfg, extra, res, tmp_path) as srv:
@@ -118,9 +116,7 @@ def test_a_server_that_crashes_without_repacking_too_is_an_error(tmp_path):
     from sfcl.bench.config import BenchConfig
     from sfcl.bench.run import Results, _start_llama_server
 
-    binary = tmp_path / "llama-server"
-    binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
-    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    binary = _exe(tmp_path / "llama-server", "#!/bin/sh\nkill -SEGV $$\n")
     res = Results()
     with pytest.raises(RuntimeError, match="exited with code -11"):
         _start_llama_server(binary, "/m.gguf", 1, 512, BenchConfig(ready_timeout=30), [], res, tmp_path)

@@ -46,19 +46,26 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's maximum on 64-bit (HEAP_MAX_S
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 
 
+def _glibc(name: str, argtypes: list, restype=ctypes.c_int):
+    """glibc's function ``name`` with its C signature set, or None where the C library has none
+    (musl, macOS)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds (see the module docstring). Returns True when both
     were set; False when turned off by ``SFCL_MALLOC_TUNING=0``, when the C library is not glibc,
     or when ``mallopt`` refused a value. Never raises."""
     if os.environ.get("SFCL_MALLOC_TUNING", "1").strip() == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:  # not glibc: nothing to tune
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     if not ok:
         log.warning("mallopt refused the allocator thresholds; glibc's defaults stay")
@@ -72,14 +79,8 @@ def return_freed_memory() -> bool:
     without it each reload kept the old library's freed index memory mapped (RSS +72 MiB over 8
     SIGHUP reloads of the default library, then flat; Intel Xeon, 2026-12-05). Returns True when
     memory was released, False when none was or the C library is not glibc. Never raises."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim(0) == 1
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and trim(0) == 1
 
 
 def freeze_startup_objects() -> int:

@@ -34,9 +34,9 @@ fast the engine's multi-threaded steps (prompt chunks on every core) run:
    beside it, 10,000 spins gave 7.2-8.2 s for the 300 tokens (p99 gap 36-60 ms), 1,000 spins
    5.7-8.8 s, 30,000 16.9 s (p99 140 ms). So ``sfcl`` sets 10,000 (``OPENMP_SPINCOUNT``);
    ``OMP_WAIT_POLICY=PASSIVE`` (no spinning) cost 55% (12.3-13.1 ms on the EPYC). Set
-   ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a machine that runs nothing else. libgomp reads it once, when torch loads it, so
-   ``sfcl.engine.openmp_env.limit_openmp_spinning`` must run before ``import torch``: the ``sfcl``
-   command does it first thing (``sfcl.cli``).
+   ``GOMP_SPINCOUNT=300000`` (libgomp's default) for a machine that runs nothing else. libgomp
+   reads it once, when torch loads it, so ``sfcl.engine.openmp_env.limit_openmp_spinning`` must
+   run before ``import torch``: the ``sfcl`` command does it first thing (``sfcl.cli``).
 """
 
 from __future__ import annotations
