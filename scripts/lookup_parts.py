@@ -2,7 +2,8 @@
 
     python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
 
-Times, on one thread, ``AnchorIndex.search`` for one row (what the server calls per lookup), the
+Times, on one thread, ``Snapshotter.lookup`` for one row (the part of a served lookup that its
+``lookup_ms`` measures), ``AnchorIndex.search`` for one row (what the server calls per lookup), the
 IVF pass alone (the kernel module's ``anchor_search`` on a unit query, top ``--k``; before 2026-12-05
 faiss's IVF scan), the same pass in torch operators (``ivf_search_torch``, the search without
 SFCL's native kernels), the search again with a pure-Python thread busy beside it (the served
@@ -30,6 +31,7 @@ from sfcl.library.index import AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import KIND_NAMES
 from sfcl.library.versions import load_library
 from sfcl.model import decode_kernel
+from sfcl.snapshot.snapshotter import Snapshotter
 from sfcl.snapshot.triggers import anchor_confidence_each
 
 
@@ -84,9 +86,16 @@ def main() -> None:
     native = decode_kernel.module().anchor_search
     src = torch.empty(a.evict_mb * 2**20 // 4)
     dst = torch.empty_like(src)
-    cases = [("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
+    snap = Snapshotter(lib, class_table=torch.zeros(1, dtype=torch.uint8), top_k=a.k)  # the server's lookup
+    snap.index = index
+    cases = [("Snapshotter.lookup, 1 row (the served lookup's timed part)", lambda i: snap.lookup(q[i:i + 1])),
+             ("AnchorIndex.search, 1 row", lambda i: index.search(q[i:i + 1], a.k)),
+             ("AnchorIndex.search_confidence, 1 row",
+              lambda i: index.search_confidence(q[i:i + 1], a.k, snap.weights, snap.decay)),
              (f"IVF pass alone (anchor_search), top {a.k}",
               lambda i: native(unit[i], index.stored, *cells, index.nprobe, a.k, n_cand)),
+             (f"IVF pass alone with confidences, top {a.k}",
+              lambda i: native(unit[i], index.stored, *cells, index.nprobe, a.k, n_cand, snap.weights, snap.decay)),
              (f"IVF pass in torch operators, top {a.k}",
               lambda i: ivf_search_torch(c, index.stored, unit[i], index.nprobe, a.k, n_cand)),
              ("hit epilogue, numpy (the lookup's)", epilogue_numpy),

@@ -11,6 +11,7 @@ from sfcl.library import index as index_module
 from sfcl.library.index import IVF_MIN_ANCHORS, AnchorIndex, candidates, ivf_search_torch
 from sfcl.library.store import load_library_dir
 from sfcl.model import decode_kernel
+from sfcl.snapshot.triggers import anchor_confidence_each
 
 
 def _lib(tmp_path, n, d, vectors=None, seed=0):
@@ -248,13 +249,42 @@ def test_native_pass_equals_the_torch_pass(big, kernel):
     q[7, 0] = float("inf")
     for k in (1, 3, 10):
         args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
-        s_n, i_n = decode_kernel.module().anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
+        s_n, i_n, c_n = decode_kernel.module().anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
         s_t, i_t = ivf_search_torch(c, ivf.stored, q, ivf.nprobe, k, candidates(k, ivf.n))
         assert torch.equal(i_n, i_t)
         torch.testing.assert_close(s_n, s_t, atol=2e-6, rtol=0)
         assert (i_n[3] == -1).all() and (i_n[7] == -1).all() and (i_n[[0, 1, 2, 4]] >= 0).all()
-    s_n, i_n = decode_kernel.module().anchor_search(q[:2], ivf.stored, *args, 1, 200, 200)  # one cell < 200 anchors
+        assert torch.isnan(c_n).all()  # no weights, no confidences
+    s_n, i_n, _ = decode_kernel.module().anchor_search(q[:2], ivf.stored, *args, 1, 200, 200)  # one cell < 200 anchors
     assert (i_n == -1).all() and torch.isinf(s_n).all()
+
+
+def test_native_pass_confidences_are_the_snapshot_rule(big, kernel):
+    """With per-anchor weights and decays the native pass returns anchor_confidence_each of what it
+    found (the numpy epilogue it replaces in Snapshotter.lookup), NaN where a row found nothing."""
+    lib, _ = big
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    c = ivf.cells
+    g = torch.Generator().manual_seed(11)
+    q = lib.vectors[torch.randint(0, lib.n_anchors, (32,), generator=g)].float()
+    q = q + 0.5 * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+    q[5] = float("nan")
+    w = torch.rand(lib.n_anchors, generator=g) * 1.5  # above 1 too: the rule clips at 1
+    lam = torch.rand(lib.n_anchors, generator=g) * 20
+    args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale, ivf.nprobe, 3, candidates(3, ivf.n))
+    s, i, conf = decode_kernel.module().anchor_search(q, ivf.stored, *args, w, lam)
+    ok = torch.ones(len(q), dtype=torch.bool)
+    ok[5] = False
+    want = anchor_confidence_each(s[ok].numpy(), w.numpy()[i[ok].numpy()], lam.numpy()[i[ok].numpy()])
+    np.testing.assert_allclose(conf[ok].numpy(), want, rtol=2e-6, atol=1e-7)
+    assert torch.isnan(conf[5]).all() and (conf[ok] <= 1).all() and (conf[ok] > 0).any()
+    scores, ids, got = ivf.search_confidence(q[ok], 3, w, lam)  # through the index
+    assert torch.equal(ids, i[ok]) and torch.equal(got, conf[ok])
+    assert ivf.search_confidence(q, 3, w, lam)[2] is None  # a row searched exactly: the caller's epilogue
+    with pytest.raises(RuntimeError, match="weights"):
+        decode_kernel.module().anchor_search(q, ivf.stored, *args, w[:-1], lam[:-1])
+    with pytest.raises(RuntimeError, match="both"):
+        decode_kernel.module().anchor_search(q, ivf.stored, *args, w, None)
 
 
 def test_ivf_cells_partition_the_library(big):

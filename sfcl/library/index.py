@@ -166,6 +166,15 @@ class AnchorIndex:
         0. Returns (scores (B, k') float32, ids (B, k') int64), best first, k' = min(k, N).
         Raises ValueError if queries are not 2-D with D = library hidden size, or k < 1.
         """
+        scores, ids, _ = self.search_confidence(queries, k)
+        return scores, ids
+
+    def search_confidence(self, queries: torch.Tensor, k: int = 3, weights: torch.Tensor | None = None,
+                          decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`search`, and with ``weights`` and ``decay`` ((N,) float32 contiguous, per anchor)
+        the found anchors' snapshot confidences (B, k') float32 as the native pass computes them
+        (``sfcl.snapshot.triggers.anchor_confidence_each``) when it ran and no row needed the exact
+        fallback; else None (the caller computes them). Same errors as :meth:`search`."""
         if queries.dim() != 2 or queries.shape[1] != self.dim:
             raise ValueError(f"queries must have shape (B, {self.dim}), got {tuple(queries.shape)}")
         if k < 1:
@@ -174,25 +183,30 @@ class AnchorIndex:
         if self.kind == "dense" or k > IVF_MAX_K:
             q = unit_rows(queries)  # (B, D) float32
             if self.kind == "ivf":
-                return _exact(self.stored, q, k)
+                return *_exact(self.stored, q, k), None
             if self.dtype == torch.float32:
-                return torch.topk(q @ self.vectors.T, k, dim=1)
+                return *torch.topk(q @ self.vectors.T, k, dim=1), None
             _, cand = torch.topk(q.to(self.dtype) @ self.vectors.T, candidates(k, self.n), dim=1)  # (B, c)
-            return _rescore(self.stored, q, cand, k)
+            return *_rescore(self.stored, q, cand, k), None
         q = queries  # (B, D) float32, contiguous; normalised by the pass (float64 norm)
         if q.dtype is not torch.float32 or q.requires_grad or not q.is_contiguous():  # the usual query is all three
             q = q.detach().to(torch.float32).contiguous()
         c = self.cells
+        conf = None
         if self._native_search is not None:  # keeps the GIL (bindings.cpp)
-            scores, ids = self._native_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets, c.members,
-                                              c.codes, c.code_scale, self._nprobe, k, candidates(k, self.n))
+            scores, ids, conf = self._native_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets,
+                                                    c.members, c.codes, c.code_scale, self._nprobe, k,
+                                                    candidates(k, self.n), weights, decay)
+            if weights is None:
+                conf = None
         else:
             scores, ids = ivf_search_torch(c, self.stored, q, self._nprobe, k, candidates(k, self.n))
         i_np = ids.numpy()
         if i_np.size and i_np.min() < 0:  # short or non-finite rows: exact over all anchors
             short = torch.from_numpy((i_np < 0).any(1))
             scores[short], ids[short] = _exact(self.stored, unit_rows(q[short]), k)
-        return scores, ids
+            conf = None
+        return scores, ids, conf
 
 
 def build_cells(x: np.ndarray, seed: int, list_size: int = IVF_LIST_SIZE) -> IvfCells:
@@ -247,7 +261,9 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     B = q.shape[0]
     if B == 0:
         return torch.full((0, k), float("-inf")), torch.full((0, k), -1, dtype=torch.int64)
-    cs = (qn @ cells.centroids.float().T) * cells.centroid_scale  # (B, C)
+    q8, qs = int8_rows(torch.nan_to_num(qn))  # (B, D) int8 codes of the query, (B,) scale
+    q8 = q8.float()  # integer products and sums below 2**24: exact in float32, as the native int32 sums
+    cs = (q8 @ cells.centroids.float().T) * (cells.centroid_scale[None, :] * qs[:, None])  # (B, C)
     probe = torch.topk(cs, min(nprobe, cells.nlist), dim=1).indices  # (B, P)
     start = cells.offsets[probe].reshape(-1)  # (B * P,) each probed cell's first row of codes
     size = cells.offsets[probe + 1].reshape(-1) - start
@@ -259,7 +275,7 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     first = torch.cumsum(size, 0) - size  # (B * P,) where each cell's run starts in the flat scan
     rows = torch.repeat_interleave(start - first, size) + torch.arange(total)  # (total,) rows of codes
     row_of = torch.repeat_interleave(torch.arange(B), per_row)  # (total,) query of each scanned anchor
-    approx = (cells.codes[rows].float() * qn[row_of]).sum(1) * cells.code_scale[rows]  # (total,)
+    approx = (cells.codes[rows].float() * q8[row_of]).sum(1) * (cells.code_scale[rows] * qs[row_of])  # (total,)
     col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_row, 0) - per_row, per_row)
     grid = torch.full((B, width), float("-inf"))  # (B, W) each query's scanned anchors, -inf padded
     grid[row_of, col] = approx

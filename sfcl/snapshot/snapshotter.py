@@ -161,8 +161,8 @@ class Snapshotter:
                                  approximate=approximate_search and class_table.device.type == "cpu")
         self.class_table = class_table  # (V,) uint8, on the model's device
         self.top_k = top_k
-        self.weights = library.weights.float()
-        self.decay = library.decay.float()
+        self.weights = library.weights.float().contiguous()  # (N,) per anchor (the native pass reads them)
+        self.decay = library.decay.float().contiguous()
         # numpy views for the CPU lookup (``lookup``): per-anchor weight, decay and kind name
         self._weights_np, self._decay_np = self.weights.numpy(), self.decay.numpy()
         self._kind_np = np.asarray(KIND_NAMES, dtype=object)[np.asarray(library.kinds, dtype=np.int64)]
@@ -247,10 +247,11 @@ class Snapshotter:
         """
         t0 = time.perf_counter()
         if found is None:
-            scores, ids = self.index.search(hidden, k=self.top_k)  # (n, k) f32, (n, k) i64
-            s_np, i_np = scores.numpy(), ids.numpy()
-            conf = anchor_confidence_each(s_np, self._weights_np[i_np], self._decay_np[i_np])  # (n, k)
-            s_l, i_l, c_l = s_np.tolist(), i_np.tolist(), conf.tolist()
+            scores, ids, conf = self.index.search_confidence(hidden, self.top_k, self.weights, self.decay)  # (n, k) each
+            if conf is None:  # not the native IVF pass (or a row searched exactly): the epilogue in numpy
+                i_np = ids.numpy()
+                conf = anchor_confidence_each(scores.numpy(), self._weights_np[i_np], self._decay_np[i_np])
+            s_l, i_l, c_l = scores.tolist(), ids.tolist(), conf.tolist()
         else:
             s_l, i_l, c_l = found
         n = len(s_l)

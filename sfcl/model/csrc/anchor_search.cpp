@@ -2,11 +2,19 @@
 // the Python function anchor_search of SFCL's kernel module (bindings.cpp; sfcl/library/index.py
 // builds its inputs and holds the torch version of the same steps).
 //
-// Per query row: normalise in float64 (as sfcl.library.index.unit_rows), score the cell centroids
-// (int8 codes times a per-centroid scale), keep the nprobe best cells, score their members' int8
-// codes (times a per-anchor scale) and keep the R best as candidates, re-score the candidates in
-// float32 against the library's stored float16 vectors and return the k best: the returned scores
-// are the stored vectors' scores (up to float32 summation order). The inverted file is Jégou et
+// Per query row: normalise in float64 (as sfcl.library.index.unit_rows), quantise the unit query to
+// int8 codes with one scale (max |q| / 127, as the anchors' codes), score the cell centroids (int8
+// codes times a per-centroid scale) by integer dot products, keep the nprobe best cells, score their
+// members' int8 codes (times a per-anchor scale) the same way and keep the R best as candidates,
+// re-score the candidates in float32 against the library's stored float16 vectors and return the k
+// best: the returned scores are the stored vectors' scores (up to float32 summation order), and with
+// per-anchor weights and decays the snapshot confidence of each (sfcl.snapshot.triggers.
+// anchor_confidence_each). The integer dot products are exact (|sum| <= D * 127^2 < 2^24 for D <= 1040),
+// so sfcl.library.index.ivf_search_torch, which takes the same steps in float32, picks the same
+// cells and candidates. They run 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2
+// vpmaddubsw on |q| and the codes with q's sign, as llama.cpp's q8 dot products), and the next
+// cell's and the candidates' rows are prefetched: after a decode step the index is out of the
+// caches, and the pass is memory-bound. The inverted file is Jégou et
 // al., "Product quantization for nearest neighbor search", TPAMI 2011 (section on the inverted
 // file), with scalar-quantised codes and an exact re-rank. One thread, no allocation per scanned
 // anchor; why one call instead of faiss plus numpy: right after a decode step's forward has
@@ -44,21 +52,120 @@ inline void keep_best(float* s, int64_t* ids, int64_t n, float v, int64_t id) {
   ids[t] = id;
 }
 
+// One unit query as int8 codes: q ~ sign * mag * scale, mag = |round(q / scale)| in [0, 127].
+struct QueryCodes {
+  std::vector<uint8_t> mag;   // (D,)
+  std::vector<int8_t> sign;   // (D,) -1 where the code is negative, else 1
+  std::vector<uint64_t> neg;  // (D / 64,) bit i of word w: sign[64 w + i] < 0 (the AVX-512 form)
+  float scale = 0.f;
+};
+
+// The codes of unit row qn (D,) float32 (scale = max |q| / 127, at least FLT_MIN; round half to even,
+// as torch.round in sfcl.library.index.query_codes).
+void quantise(const float* qn, int64_t D, QueryCodes& out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qn[d]));
+  out.scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+  out.mag.assign(D, 0);
+  out.sign.assign(D, 1);
+  out.neg.assign(D / 64, 0);
+  for (int64_t d = 0; d < D; ++d) {
+    const float c = std::nearbyint(qn[d] / out.scale);
+    out.mag[d] = uint8_t(std::fabs(c));
+    if (c < 0) {
+      out.sign[d] = -1;
+      if (d < int64_t(out.neg.size()) * 64) out.neg[d / 64] |= uint64_t{1} << (d % 64);
+    }
+  }
+}
+
+// sum_d q8[d] * v[d] for the int8 codes v (D,) of an anchor or centroid; exact in int32.
+inline int32_t dot_codes(const int8_t* v, const QueryCodes& q, int64_t D) {
+  int64_t d = 0;
+  int32_t s = 0;
+  const uint8_t* mag = q.mag.data();
+#if defined(__AVX512BW__)
+  __m512i acc = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t w = 0; d + 64 <= D; d += 64, ++w) {
+    const __m512i c = _mm512_mask_sub_epi8(_mm512_loadu_si512(v + d), __mmask64(q.neg[w]), zero,
+                                           _mm512_loadu_si512(v + d));  // codes times q's sign
+#if defined(__AVX512VNNI__)
+    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(mag + d), c);
+#else  // |q| <= 127 and |c| <= 127: a pair sums to at most 32,258, no int16 saturation
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_loadu_si512(mag + d), c),
+                                                  _mm512_set1_epi16(1)));
+#endif
+  }
+  s = _mm512_reduce_add_epi32(acc);
+#elif defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  const int8_t* sg = q.sign.data();
+  for (; d + 32 <= D; d += 32) {
+    const __m256i c = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d)),
+                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + d)));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mag + d)), c);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  s = _mm_cvtsi128_si32(h);
+#endif
+  for (; d < D; ++d) s += int32_t(mag[d]) * int32_t(q.sign[d]) * int32_t(v[d]);
+  return s;
+}
+
+// dot_codes of rows v, v + D, v + 2D, v + 3D at once (four independent accumulations, one pass over q).
+inline void dot_codes4(const int8_t* v, const QueryCodes& q, int64_t D, int32_t* out) {
+#if defined(__AVX512BW__)
+  if (D % 64 == 0) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t d = 0, w = 0; d < D; d += 64, ++w) {
+      const __m512i m = _mm512_loadu_si512(q.mag.data() + d);
+      const __mmask64 neg = __mmask64(q.neg[w]);
+      for (int r = 0; r < 4; ++r) {
+        const __m512i c = _mm512_loadu_si512(v + r * D + d);
+        const __m512i cs = _mm512_mask_sub_epi8(c, neg, zero, c);
+#if defined(__AVX512VNNI__)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], m, cs);
+#else
+        acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(m, cs), _mm512_set1_epi16(1)));
+#endif
+      }
+    }
+    for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
+    return;
+  }
+#endif
+  for (int r = 0; r < 4; ++r) out[r] = dot_codes(v + r * D, q, D);
+}
+
+// Prefetch the bytes [p, p + n) into the caches, a line at a time.
+inline void prefetch(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 }  // namespace
 
 // queries (B, D) float32; stored (N, D) float16 (the library's vectors); centroids (C, D) int8
 // with centroid_scale (C,) float32; offsets (C + 1,) int64: cell c's members are
 // members[offsets[c] : offsets[c + 1]] (anchor ids, int32), their codes the same rows of codes
-// (N, D) int8 with code_scale (N,) float32. Returns (scores (B, k) float32, ids (B, k) int64),
-// best first; -inf / -1 where a row has no anchor (see the header).
-std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, const at::Tensor& stored,
-                                                 const at::Tensor& centroids, const at::Tensor& centroid_scale,
-                                                 const at::Tensor& offsets, const at::Tensor& members,
-                                                 const at::Tensor& codes, const at::Tensor& code_scale,
-                                                 int64_t nprobe, int64_t k, int64_t n_candidates) {
+// (N, D) int8 with code_scale (N,) float32; weights, decay: (N,) float32 per anchor, or undefined
+// (None). Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32), best
+// first; -inf / -1 / NaN where a row has no anchor (see the header); confidences NaN throughout
+// without weights and decay.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
+    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+    const c10::optional<at::Tensor>& decay) {
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "anchor_search: queries must be a contiguous (B, D) float32 tensor");
   const int64_t B = queries.size(0), D = queries.size(1);
+  TORCH_CHECK(D <= 1040, "anchor_search: D must be at most 1040 (int32 sums of int8 products), got ", D);
   TORCH_CHECK(stored.dim() == 2 && stored.size(1) == D && stored.scalar_type() == at::kHalf && stored.is_contiguous(),
               "anchor_search: stored must be a contiguous (N, D) float16 tensor with the queries' D");
   const int64_t N = stored.size(0);
@@ -81,6 +188,16 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
                   code_scale.is_contiguous(),
               "anchor_search: code_scale must be a contiguous (members,) float32 tensor");
   TORCH_CHECK(nprobe >= 1 && k >= 1 && n_candidates >= k, "anchor_search: need nprobe >= 1 and n_candidates >= k >= 1");
+  TORCH_CHECK(weights.has_value() == decay.has_value(), "anchor_search: give both weights and decay, or neither");
+  const float* W = nullptr;
+  const float* L = nullptr;
+  if (weights.has_value()) {
+    for (const at::Tensor* t : {&*weights, &*decay})
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                  "anchor_search: weights and decay must be contiguous (N,) float32 tensors");
+    W = weights->data_ptr<float>();
+    L = decay->data_ptr<float>();
+  }
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[C] == M, "anchor_search: offsets must run from 0 to the number of members");
   for (int64_t c = 0; c < C; ++c)  // O(C): a decreasing entry would send the scan outside members
@@ -89,7 +206,8 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
   const float kNegInf = -std::numeric_limits<float>::infinity();
   auto scores = at::full({B, k}, kNegInf, queries.options());
   auto ids = at::full({B, k}, -1, queries.options().dtype(at::kLong));
-  if (B == 0) return {scores, ids};
+  auto conf = at::full({B, k}, std::numeric_limits<float>::quiet_NaN(), queries.options());
+  if (B == 0) return {scores, ids, conf};
   const float* Q = queries.data_ptr<float>();
   const uint16_t* V = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
   const int8_t* C8 = centroids.data_ptr<int8_t>();
@@ -99,12 +217,14 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
   const float* l_scale = code_scale.data_ptr<float>();
   float* S = scores.data_ptr<float>();
   int64_t* I = ids.data_ptr<int64_t>();
+  float* F = conf.data_ptr<float>();
   const int64_t np = std::min(nprobe, C);
+  const int64_t ahead = 8;  // centroid rows prefetched ahead of the scan
 
-  std::vector<float> qn(B * D), cs(B * C), cand_s(n_candidates);
-  std::vector<int64_t> cand(n_candidates);
-  std::vector<int32_t> order(C);
+  std::vector<float> qn(B * D), cs(B * C), cand_s(n_candidates), probe_s(np);
+  std::vector<int64_t> cand(n_candidates), probe(np);
   std::vector<char> finite(B);
+  std::vector<QueryCodes> qc(B);
   for (int64_t b = 0; b < B; ++b) {  // unit rows, the norm in float64 (sfcl.library.index.unit_rows)
     const float* q = Q + b * D;
     double ss = 0.0;
@@ -113,34 +233,58 @@ std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, cons
     finite[b] = std::isfinite(norm);
     const double den = std::max(norm, double(std::numeric_limits<double>::min()));
     for (int64_t d = 0; d < D; ++d) qn[b * D + d] = float(double(q[d]) / den);
+    if (finite[b]) quantise(&qn[b * D], D, qc[b]);
   }
-  for (int64_t c = 0; c < C; ++c)  // each centroid read once for all rows
-    for (int64_t b = 0; b < B; ++b) cs[b * C + c] = c_scale[c] * dot_i8(C8 + c * D, &qn[b * D], D);
+  int64_t c0 = 0;
+  for (; c0 + 4 <= C; c0 += 4) {  // each centroid read once for all rows, four at a time
+    if (c0 + ahead + 4 <= C) prefetch(C8 + (c0 + ahead) * D, 4 * D);
+    for (int64_t b = 0; b < B; ++b) {
+      if (!finite[b]) continue;
+      int32_t dots[4];
+      dot_codes4(C8 + c0 * D, qc[b], D, dots);
+      for (int r = 0; r < 4; ++r) cs[b * C + c0 + r] = float(dots[r]) * (c_scale[c0 + r] * qc[b].scale);
+    }
+  }
+  for (int64_t c = c0; c < C; ++c)
+    for (int64_t b = 0; b < B; ++b)
+      if (finite[b]) cs[b * C + c] = float(dot_codes(C8 + c * D, qc[b], D)) * (c_scale[c] * qc[b].scale);
   for (int64_t b = 0; b < B; ++b) {
     if (!finite[b]) continue;
     const float* q = &qn[b * D];
     const float* row_cs = &cs[b * C];
-    for (int64_t c = 0; c < C; ++c) order[c] = int32_t(c);
-    std::partial_sort(order.begin(), order.begin() + np, order.end(),
-                      [row_cs](int32_t x, int32_t y) { return row_cs[x] > row_cs[y] || (row_cs[x] == row_cs[y] && x < y); });
+    std::fill(probe_s.begin(), probe_s.end(), kNegInf);
+    std::fill(probe.begin(), probe.end(), -1);
+    for (int64_t c = 0; c < C; ++c) keep_best(probe_s.data(), probe.data(), np, row_cs[c], c);  // ties: lower c
     std::fill(cand_s.begin(), cand_s.end(), kNegInf);
     std::fill(cand.begin(), cand.end(), -1);
     int64_t scanned = 0;
-    for (int64_t p = 0; p < np; ++p) {
-      const int32_t c = order[p];
-      for (int64_t j = off[c]; j < off[c + 1]; ++j)
-        keep_best(cand_s.data(), cand.data(), n_candidates, l_scale[j] * dot_i8(L8 + j * D, q, D), mem[j]);
+    for (int64_t p = 0; p < np && probe[p] >= 0; ++p) {
+      const int64_t c = probe[p];
+      const int64_t nxt = p + 1 < np && probe[p + 1] >= 0 ? probe[p + 1] : -1;
+      const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
+      for (int64_t j = off[c]; j < off[c + 1]; ++j) {
+        const int64_t r = j - off[c];
+        if (r < n_next) prefetch(L8 + (off[nxt] + r) * D, D);  // the next cell's row r
+        keep_best(cand_s.data(), cand.data(), n_candidates,
+                  float(dot_codes(L8 + j * D, qc[b], D)) * (l_scale[j] * qc[b].scale), mem[j]);
+      }
+      for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L8 + (off[nxt] + r) * D, D);
       scanned += off[c + 1] - off[c];
     }
     if (scanned < k) continue;  // short: the caller searches this row exactly
+    int64_t n_cand = 0;
+    for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
+      TORCH_CHECK(cand[n_cand] < N, "anchor_search: member id ", cand[n_cand], " out of range for ", N, " anchors");
+      prefetch(V + cand[n_cand] * D, D * 2);
+    }
     float* s = S + b * k;
     int64_t* id = I + b * k;
-    for (int64_t r = 0; r < n_candidates && cand[r] >= 0; ++r) {
-      TORCH_CHECK(cand[r] < N, "anchor_search: member id ", cand[r], " out of range for ", N, " anchors");
-      keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
-    }
+    for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
+    if (W != nullptr)
+      for (int64_t j = 0; j < k && id[j] >= 0; ++j)  // sfcl.snapshot.triggers.anchor_confidence_each
+        F[b * k + j] = std::min(1.f, std::max(0.f, W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]))));
   }
-  return {scores, ids};
+  return {scores, ids, conf};
 }
 
 }  // namespace sfcl

@@ -15,11 +15,11 @@
 
 namespace sfcl {
 // anchor_search.cpp
-std::tuple<at::Tensor, at::Tensor> anchor_search(const at::Tensor& queries, const at::Tensor& stored,
-                                                 const at::Tensor& centroids, const at::Tensor& centroid_scale,
-                                                 const at::Tensor& offsets, const at::Tensor& members,
-                                                 const at::Tensor& codes, const at::Tensor& code_scale,
-                                                 int64_t nprobe, int64_t k, int64_t n_candidates);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
+    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+    const c10::optional<at::Tensor>& decay);
 
 // How many of torch's intra-op threads an at::parallel_for over n items (grain 1) in this library
 // runs on: 1 when the library was built without OpenMP, whatever torch.get_num_threads() says
@@ -37,12 +37,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("anchor_search", &sfcl::anchor_search,
         "The snapshot lookup's IVF pass (anchor_search.cpp), GIL held: queries (B, D) float32 "
         "contiguous, stored (N, D) float16, centroids (C, D) int8, centroid_scale (C,) float32, "
-        "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32. "
-        "Returns (scores (B, k) float32, ids (B, k) int64), best first, -inf / -1 where a row has no "
-        "anchor. Raises RuntimeError for arguments that do not fit together.",
+        "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32, "
+        "weights and decay (N,) float32 or None. Returns (scores (B, k) float32, ids (B, k) int64, "
+        "confidences (B, k) float32), best first, -inf / -1 / NaN where a row has no anchor, "
+        "confidences NaN without weights. Raises RuntimeError for arguments that do not fit together.",
         py::arg("queries"), py::arg("stored"), py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"),
         py::arg("members"), py::arg("codes"), py::arg("code_scale"), py::arg("nprobe"), py::arg("k"),
-        py::arg("n_candidates"));
+        py::arg("n_candidates"), py::arg("weights") = py::none(), py::arg("decay") = py::none());
   m.def("parallel_threads", &sfcl::parallel_threads,
         "Threads an at::parallel_for over n items (grain 1) runs on in this library (1 without OpenMP).",
         py::arg("n"));
