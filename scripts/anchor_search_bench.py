@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, nargs="+", default=[None],
                     help="IVF cells scanned per query; several values compare them on the same queries "
                          "(default: the server's, sfcl.library.index.IVF_NPROBE)")
+    ap.add_argument("--group-probe", type=int, nargs="+", default=[None],
+                    help="groups of cells ranked per query; several values compare them (default: the server's, "
+                         "sfcl.library.index.IVF_GROUP_PROBE)")
     ap.add_argument("--list-size", type=int, default=None,
                     help="anchors per IVF cell on average (default: the server's, sfcl.library.index.IVF_LIST_SIZE)")
     a = ap.parse_args()
@@ -107,17 +110,19 @@ def main() -> None:
     print(f"queries: {q.shape[0]} states ({int(is_answer.sum())} of generated answer tokens) from {len(docs)} NDAs "
           f"in {time.perf_counter() - t0:.1f} s")
     exact = AnchorIndex(lib, torch.float32)
-    # what Snapshotter builds on a CPU, once per --nprobe value (same seed: the same cells)
-    ivfs = [AnchorIndex(lib, fast_float_dtype(), approximate=True, nprobe=n, list_size=a.list_size) for n in a.nprobe]
+    # what Snapshotter builds on a CPU, once per --nprobe x --group-probe value (same seed: the same cells)
+    ivfs = [AnchorIndex(lib, fast_float_dtype(), approximate=True, nprobe=n, list_size=a.list_size, group_probe=g)
+            for n in a.nprobe for g in a.group_probe]
     print(f"library: {lib.n_anchors} anchors x {lib.hidden_size} ({lib.path})")
-    print(f"index: {ivfs[0].kind}, {ivfs[0].cells.nlist if ivfs[0].cells is not None else 0} cells, built in {ivfs[0].build_s * 1e3:.0f} ms, "
+    print(f"index: {ivfs[0].kind}, {ivfs[0].cells.nlist if ivfs[0].cells is not None else 0} cells "
+          f"in {ivfs[0].cells.ngroups if ivfs[0].cells is not None else 0} groups, built in {ivfs[0].build_s * 1e3:.0f} ms, "
           f"{ivfs[0].memory_bytes() / 2**20:.1f} MiB beyond the mapped library; exact peer: dense float32, "
           f"{exact.memory_bytes() / 2**20:.1f} MiB")
     _, ref = exact.search(q, 3)
     for index in ivfs:
         _, got = index.search(q, 3)
         for name, m in (("answer tokens", is_answer), ("prompt tokens", ~is_answer), ("all", torch.ones_like(is_answer))):
-            print(f"nprobe {index.nprobe}: recall@3 vs exact, {name}: {recall_at(ref[m], got[m]):.4f} "
+            print(f"nprobe {index.nprobe}, group probe {index.group_probe}: recall@3 vs exact, {name}: {recall_at(ref[m], got[m]):.4f} "
                   f"({int(m.sum())} queries)")
 
     stop = threading.Event()
@@ -149,13 +154,13 @@ def main() -> None:
         res[load] = box
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, avx512_bf16={'avx512_bf16' in cpu_flags()}; "
           f"lookup thread: 1 torch thread; busy = the model's forward on {a.threads} threads alongside")
-    print("| load | rows | nprobe | index p50 ms | index p99 ms | exact p50 ms | exact p99 ms | p50 speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| load | rows | nprobe | group probe | index p50 ms | index p99 ms | exact p50 ms | exact p99 ms | p50 speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for load, box in res.items():
         for rows in (1, 16):
             e, *got = box[rows]
             for index, i in zip(ivfs, got):
-                print(f"| {load} | {rows} | {index.nprobe} | {np.percentile(i, 50):.3f} | {np.percentile(i, 99):.3f} | "
+                print(f"| {load} | {rows} | {index.nprobe} | {index.group_probe} | {np.percentile(i, 50):.3f} | {np.percentile(i, 99):.3f} | "
                       f"{np.percentile(e, 50):.3f} | {np.percentile(e, 99):.3f} | "
                       f"{np.percentile(e, 50) / np.percentile(i, 50):.1f}x |")
 

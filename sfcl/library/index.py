@@ -16,19 +16,26 @@ Two ways to search, both scoring against the library's stored float16 vectors in
 - **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): an inverted file
   (Jégou et al., "Product quantization for nearest neighbor search", TPAMI 2011, section on the
   inverted file) over ``nlist = N / IVF_LIST_SIZE`` cells (spherical k-means, faiss), with int8
-  codes (one float32 scale per row) of the cell centroids and of the anchors, cell by cell. A
-  query scores the centroids' codes, scans the ``nprobe`` best cells' codes, keeps
-  ``max(4k, k + 16)`` candidates and re-scores them in float32 against the stored float16
-  vectors, so the returned scores are the stored vectors' own. The kernel module's ``anchor_search``
-  (``sfcl/model/csrc/anchor_search.cpp``, one call, one thread, the GIL held) runs these steps when
-  SFCL's native kernels are built (``sfcl.model.decode_kernel.load``); :func:`ivf_search_torch` is the
-  same steps in torch operators, used without them. Why codes and one call: a served lookup
-  follows a decode step's forward, which has evicted the caches, and the search's time was
-  memory traffic (float32 centroids and float16 lists, ~1 MB per query) and a dozen Python-level
-  operations around faiss's scan at tens of microseconds each (docs/performance-journal.md,
-  twelfth session); the int8 codes halve the bytes, the one call removes the operations. Why the
-  GIL held: a torch operator releases it, and taking it back from the server's busy event loop
-  thread could cost up to the interpreter's 5 ms switch interval (thirteenth session).
+  codes (one float32 scale per row) of the cell centroids and of the anchors, cell by cell; from
+  ``GROUPED_MIN_CELLS`` cells on, the cells are grouped by a second k-means over their centroids
+  (~sqrt(nlist) groups; the two-level tree of Muja & Lowe, "Scalable nearest neighbor algorithms
+  for high dimensional data", TPAMI 2014). A query, itself quantised to int8 codes (``int8_rows``;
+  integer dot products, exact), scores the groups' centroids, then the centroids of the
+  ``IVF_GROUP_PROBE`` best groups' cells (every centroid when ungrouped), scans the ``nprobe`` best
+  cells' codes, keeps ``max(4k, k + 16)`` candidates and re-scores them in float32 against the
+  stored float16 vectors, so the returned scores are the stored vectors' own. The kernel module's
+  ``anchor_search`` / ``anchor_lookup`` (``sfcl/model/csrc/anchor_search.cpp``, one call, one
+  thread, the GIL held) runs these steps when SFCL's native kernels are built
+  (``sfcl.model.decode_kernel.load``), and also computes the found anchors' snapshot confidences;
+  :func:`ivf_search_torch` is the same steps in torch operators, used without them. Why codes,
+  groups and one call: a served lookup follows a decode step's forward, which has evicted the
+  caches, and the search's time was memory traffic (float32 centroids and float16 lists, ~1 MB
+  per query; int8 codes of every centroid, 0.6 MB for 32,768 anchors, before the groups) and
+  Python-level operations at tens of microseconds each (docs/performance-journal.md, twelfth and
+  fifteenth sessions; creating three small tensors cost ~0.05 ms, so ``search_lists``, the served
+  lookup's call, returns Python lists). Why the GIL held: a torch operator releases it, and taking
+  it back from the server's busy event loop thread could cost up to the interpreter's 5 ms switch
+  interval (thirteenth session).
 
 The returned scores and their order are exact for the stored vectors (up to float32 summation
 order); what the approximate pass can do is miss a true top-k anchor (a cell not scanned, or an
@@ -56,8 +63,18 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 # 12 keeps recall@3 >= 0.95 with margin at about half the time of 24. With the int8 pass (2026-12-05,
 # AVX-512 BF16 EPYC, 1,314 states of 3 NDAs): nprobe 12 / 8 0.9706 / 0.9515 on the default library,
 # 0.9853 / 0.9762 on the 32,731 anchors of all 61 dev NDAs; 12 and 8 now differ by ~10% in time.
+# With the query quantised too and the groups (2026-12-05, Intel Xeon AMX, same states): nprobe 12 /
+# 8 0.9678 / 0.9521 on the default library, 0.9741 (12) on the 61 NDAs' anchors.
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
+# Groups of cells (a second k-means level over the cell centroids, ~sqrt(nlist) groups): a query
+# ranks only the centroids of its IVF_GROUP_PROBE best groups. GROUPED_MIN_CELLS: fewer cells are
+# all ranked (the groups would save little). recall@3 at nprobe 12 (``scripts/anchor_search_bench.py
+# --group-probe 4 6 8 12 99``, same states, Intel Xeon AMX): 32,731 anchors in 1,022 cells and 32
+# groups 0.9546 / 0.9685 / 0.9741 / 0.9797 / 0.9817 (all groups); default library (533 cells, 23
+# groups) 0.9670 (6) / 0.9678 (8) / 0.9696 (all). 8 keeps the margin; below it the time barely moves.
+IVF_GROUP_PROBE = 8
+GROUPED_MIN_CELLS = 256
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
 IVF_MAX_K = 64  # above this many anchors per query the IVF pass saves nothing: exact search
 TORCH_PASS_ROWS = 8  # queries per chunk of ivf_search_torch (its float32 copy of the scanned codes)
@@ -76,7 +93,10 @@ class IvfCells:
     centroids (C, D) int8 and centroid_scale (C,) float32: the cells' unit centroids as codes times
     a scale; offsets (C + 1,) int64: cell c's anchors are members[offsets[c]:offsets[c + 1]]
     (members (N,) int32 anchor ids, cell by cell); codes (N, D) int8 and code_scale (N,) float32:
-    those anchors' vectors in the same order, as codes times a scale."""
+    those anchors' vectors in the same order, as codes times a scale. group_centroids (G, D) int8,
+    group_scale (G,) float32 and group_offsets (G + 1,) int64: cells grouped by the nearest of G
+    unit centroids of the cell centroids, group g holding cells group_offsets[g]:group_offsets[g + 1]
+    (cells are numbered group by group); None below ``GROUPED_MIN_CELLS`` cells."""
 
     centroids: torch.Tensor
     centroid_scale: torch.Tensor
@@ -84,14 +104,26 @@ class IvfCells:
     members: torch.Tensor
     codes: torch.Tensor
     code_scale: torch.Tensor
+    group_centroids: torch.Tensor | None = None
+    group_scale: torch.Tensor | None = None
+    group_offsets: torch.Tensor | None = None
 
     @property
     def nlist(self) -> int:
         return int(self.centroids.shape[0])
 
+    @property
+    def ngroups(self) -> int:
+        return 0 if self.group_centroids is None else int(self.group_centroids.shape[0])
+
+    def groups(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(group_centroids, group_scale, group_offsets): the native pass's group arguments."""
+        return self.group_centroids, self.group_scale, self.group_offsets
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.centroids, self.centroid_scale, self.offsets,
-                                                           self.members, self.codes, self.code_scale))
+                                                           self.members, self.codes, self.code_scale, *self.groups())
+                   if t is not None)
 
 
 class AnchorIndex:
@@ -116,13 +148,16 @@ class AnchorIndex:
     """
 
     def __init__(self, lib: AnchorLibrary, dtype: torch.dtype = torch.float32, approximate: bool = False,
-                 nprobe: int | None = None, seed: int = 0, native: bool | None = None, list_size: int | None = None):
+                 nprobe: int | None = None, seed: int = 0, native: bool | None = None, list_size: int | None = None,
+                 group_probe: int | None = None):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         if nprobe is not None and nprobe < 1:
             raise ValueError(f"nprobe must be >= 1, got {nprobe}")
         if list_size is not None and list_size < 1:
             raise ValueError(f"list_size must be >= 1, got {list_size}")
+        if group_probe is not None and group_probe < 1:
+            raise ValueError(f"group_probe must be >= 1, got {group_probe}")
         t0 = time.perf_counter()
         self.stored = lib.vectors  # (N, D) float16, memory-mapped: what every score is computed against
         self.n, self.dim = (int(s) for s in self.stored.shape)
@@ -131,8 +166,8 @@ class AnchorIndex:
         self.vectors = None  # (N, D) dense search copy (dense kind only)
         self.cells: IvfCells | None = None
         self.native = False  # whether the IVF pass runs natively (the kernel module's anchor_search)
-        self._native_search = None
-        self._nprobe = 0
+        self._native_search = self._native_lookup = None
+        self._nprobe = self._group_probe = 0
         if self.kind == "dense":
             self.vectors = self.stored if dtype == torch.float16 else self.stored.to(dtype)
         else:
@@ -140,11 +175,13 @@ class AnchorIndex:
                 self.stored = self.stored.to(torch.float16).contiguous()
             self.cells = build_cells(self.stored.float().numpy(), seed, list_size or IVF_LIST_SIZE)
             self._nprobe = min(nprobe or IVF_NPROBE, self.cells.nlist)
+            self._group_probe = min(group_probe or IVF_GROUP_PROBE, self.cells.ngroups)  # 0: no groups
             if native is not False:
                 from sfcl.model import decode_kernel  # the one native library (built once per machine kind)
 
                 if decode_kernel.load():
                     self._native_search = decode_kernel.module().anchor_search
+                    self._native_lookup = decode_kernel.module().anchor_lookup
                 self.native = self._native_search is not None
         self.build_s = time.perf_counter() - t0
 
@@ -152,6 +189,11 @@ class AnchorIndex:
     def nprobe(self) -> int:
         """Cells scanned per query (0 for a dense index)."""
         return self._nprobe
+
+    @property
+    def group_probe(self) -> int:
+        """Groups of cells whose centroids a query ranks (0: no groups, every centroid is ranked)."""
+        return self._group_probe
 
     def memory_bytes(self) -> int:
         """Bytes this index holds beyond the library's mapped vectors."""
@@ -168,6 +210,23 @@ class AnchorIndex:
         """
         scores, ids, _ = self.search_confidence(queries, k)
         return scores, ids
+
+    def search_lists(self, query: torch.Tensor, k: int, weights: torch.Tensor,
+                     decay: torch.Tensor) -> tuple[list[list[float]], list[list[int]], list[list[float]]] | None:
+        """The served lookup's call: :meth:`search_confidence` of ``query`` (B, D) float32 contiguous
+        as Python lists (scores, anchor ids, confidences; B lists of k), from one native call that
+        creates no tensor; None where that call does not apply (no native IVF pass, another dtype or
+        layout, ``k`` above ``IVF_MAX_K`` or the library size, or a row needing the exact fallback):
+        the caller then uses :meth:`search_confidence`."""
+        if self._native_lookup is None or not 1 <= k <= min(self.n, IVF_MAX_K) or query.dtype is not torch.float32 \
+                or query.dim() != 2 or query.shape[1] != self.dim or query.requires_grad or not query.is_contiguous():
+            return None
+        c = self.cells
+        s_l, i_l, c_l, short = self._native_lookup(query, self.stored, c.centroids, c.centroid_scale, c.offsets,
+                                                   c.members, c.codes, c.code_scale, self._nprobe, k,
+                                                   candidates(k, self.n), weights, decay, *c.groups(),
+                                                   self._group_probe)
+        return None if short else (s_l, i_l, c_l)
 
     def search_confidence(self, queries: torch.Tensor, k: int = 3, weights: torch.Tensor | None = None,
                           decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -196,11 +255,13 @@ class AnchorIndex:
         if self._native_search is not None:  # keeps the GIL (bindings.cpp)
             scores, ids, conf = self._native_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets,
                                                     c.members, c.codes, c.code_scale, self._nprobe, k,
-                                                    candidates(k, self.n), weights, decay)
+                                                    candidates(k, self.n), weights, decay, *c.groups(),
+                                                    self._group_probe)
             if weights is None:
                 conf = None
         else:
-            scores, ids = ivf_search_torch(c, self.stored, q, self._nprobe, k, candidates(k, self.n))
+            scores, ids = ivf_search_torch(c, self.stored, q, self._nprobe, k, candidates(k, self.n),
+                                           self._group_probe)
         i_np = ids.numpy()
         if i_np.size and i_np.min() < 0:  # short or non-finite rows: exact over all anchors
             short = torch.from_numpy((i_np < 0).any(1))
@@ -222,6 +283,20 @@ def build_cells(x: np.ndarray, seed: int, list_size: int = IVF_LIST_SIZE) -> Ivf
                       verbose=False)
     km.train(x)
     cent = torch.from_numpy(km.centroids).float()  # (C, D) unit rows
+    group = None
+    if nlist >= GROUPED_MIN_CELLS:  # the second level: cells grouped by k-means over their centroids
+        ng = max(2, round(nlist ** 0.5))
+        gkm = faiss.Kmeans(d, ng, niter=IVF_TRAIN_ITERS, seed=seed, spherical=True, min_points_per_centroid=1,
+                           verbose=False)
+        gkm.train(km.centroids)
+        gcent = torch.from_numpy(gkm.centroids).float()  # (G, D) unit rows
+        gof = torch.argmax(cent @ gcent.T, dim=1)  # (C,) group of each cell
+        cell_order = torch.argsort(gof, stable=True)  # cells renumbered group by group
+        cent = cent[cell_order]
+        gof = gof[cell_order]
+        group_offsets = torch.zeros(ng + 1, dtype=torch.int64)
+        group_offsets[1:] = torch.cumsum(torch.bincount(gof, minlength=ng), 0)
+        group = (*int8_rows(gcent), group_offsets)
     xt = torch.from_numpy(x)
     assign = torch.cat([torch.argmax(xt[s:s + EXACT_CHUNK] @ cent.T, dim=1)
                         for s in range(0, n, EXACT_CHUNK)])  # (N,) nearest centroid by inner product
@@ -230,7 +305,8 @@ def build_cells(x: np.ndarray, seed: int, list_size: int = IVF_LIST_SIZE) -> Ivf
     offsets[1:] = torch.cumsum(torch.bincount(assign, minlength=nlist), 0)
     centroids, centroid_scale = int8_rows(cent)
     codes, code_scale = int8_rows(xt[order])
-    return IvfCells(centroids, centroid_scale, offsets, order.to(torch.int32).contiguous(), codes, code_scale)
+    return IvfCells(centroids, centroid_scale, offsets, order.to(torch.int32).contiguous(), codes, code_scale,
+                    *(group or (None, None, None)))
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +317,7 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
-                     n_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     n_candidates: int, group_probe: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The IVF pass of the native ``anchor_search`` in torch operators (the search without
     SFCL's native kernels): same inputs (``cells``, ``stored`` (N, D) float16, queries ``q`` (B, D)
     float32), same steps, same results up to float32 summation order. Returns (scores (B, k)
@@ -249,14 +325,14 @@ def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npr
     Queries go ``TORCH_PASS_ROWS`` at a time: the pass holds a float32 copy of the codes it scans
     (a 12-cell scan of the default library ~0.9 MB per query, but a cell of 8,000 duplicates 18 MB)."""
     if q.shape[0] > TORCH_PASS_ROWS:
-        parts = [_ivf_torch_rows(cells, stored, q[i:i + TORCH_PASS_ROWS], nprobe, k, n_candidates)
+        parts = [_ivf_torch_rows(cells, stored, q[i:i + TORCH_PASS_ROWS], nprobe, k, n_candidates, group_probe)
                  for i in range(0, q.shape[0], TORCH_PASS_ROWS)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return _ivf_torch_rows(cells, stored, q, nprobe, k, n_candidates)
+    return _ivf_torch_rows(cells, stored, q, nprobe, k, n_candidates, group_probe)
 
 
 def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
-                    n_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_candidates: int, group_probe: int) -> tuple[torch.Tensor, torch.Tensor]:
     qn = unit_rows(q)  # (B, D)
     B = q.shape[0]
     if B == 0:
@@ -264,9 +340,16 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     q8, qs = int8_rows(torch.nan_to_num(qn))  # (B, D) int8 codes of the query, (B,) scale
     q8 = q8.float()  # integer products and sums below 2**24: exact in float32, as the native int32 sums
     cs = (q8 @ cells.centroids.float().T) * (cells.centroid_scale[None, :] * qs[:, None])  # (B, C)
-    probe = torch.topk(cs, min(nprobe, cells.nlist), dim=1).indices  # (B, P)
+    if group_probe and cells.group_centroids is not None:  # rank only the cells of the best groups
+        gs = (q8 @ cells.group_centroids.float().T) * (cells.group_scale[None, :] * qs[:, None])  # (B, G)
+        best = torch.topk(gs, min(group_probe, cells.ngroups), dim=1).indices  # (B, gp)
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, best, True)  # (B, G)
+        group_of = torch.repeat_interleave(torch.arange(cells.ngroups), cells.group_offsets.diff())  # (C,)
+        cs = cs.masked_fill(~keep[:, group_of], float("-inf"))
+    probe_s, probe = torch.topk(cs, min(nprobe, cells.nlist), dim=1)  # (B, P)
     start = cells.offsets[probe].reshape(-1)  # (B * P,) each probed cell's first row of codes
-    size = cells.offsets[probe + 1].reshape(-1) - start
+    # a cell outside the row's groups (when they hold fewer than nprobe cells) is not scanned
+    size = (cells.offsets[probe + 1].reshape(-1) - start) * (probe_s.reshape(-1) > float("-inf"))
     per_row = size.view(B, -1).sum(1)  # (B,) anchors scanned per query
     width = int(per_row.max())
     if width < k:  # every row short

@@ -63,7 +63,7 @@ MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
-FUNCTIONS = ("anchor_search", "parallel_threads")  # and its module's functions
+FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 

@@ -163,9 +163,9 @@ class Snapshotter:
         self.top_k = top_k
         self.weights = library.weights.float().contiguous()  # (N,) per anchor (the native pass reads them)
         self.decay = library.decay.float().contiguous()
-        # numpy views for the CPU lookup (``lookup``): per-anchor weight, decay and kind name
+        # numpy views for the CPU lookup's epilogue without the native pass (``lookup``): per-anchor weight and decay
         self._weights_np, self._decay_np = self.weights.numpy(), self.decay.numpy()
-        self._kind_np = np.asarray(KIND_NAMES, dtype=object)[np.asarray(library.kinds, dtype=np.int64)]
+        self._kind_names = [KIND_NAMES[x] for x in library.kinds.tolist()]  # per anchor (a list: the lookup indexes it)
         self.rules = library_rules(library) + list(keyword_boost or [])
         self.steer = steer or SteerConfig()
         self.context_weight = float(context_weight)
@@ -247,6 +247,8 @@ class Snapshotter:
         """
         t0 = time.perf_counter()
         if found is None:
+            found = self.index.search_lists(hidden, self.top_k, self.weights, self.decay)  # native: lists, no tensor
+        if found is None:
             scores, ids, conf = self.index.search_confidence(hidden, self.top_k, self.weights, self.decay)  # (n, k) each
             if conf is None:  # not the native IVF pass (or a row searched exactly): the epilogue in numpy
                 i_np = ids.numpy()
@@ -255,23 +257,29 @@ class Snapshotter:
         else:
             s_l, i_l, c_l = found
         n = len(s_l)
-        kind = self._kind_np
+        kind = self._kind_names
         hits = []
         for r in range(n):
-            ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], kind[i_l[r][j]], -1) for j in range(len(i_l[r]))]
             rid = context_ids[r] if context_ids else None
-            if rid is not None and context is not None and context.has(rid):
-                cs, cp, cn = context.search(rid, hidden[r], self.top_k)
-                cc = anchor_confidence_each(cs[None], torch.full((1, len(cs)), self.context_weight),
-                                            torch.full((1, len(cs)), self.context_decay))[0]
-                ent += [(float(a), int(p), True, float(c), "context", int(t))
-                        for a, p, c, t in zip(cs.tolist(), cp.tolist(), cc.tolist(), cn.tolist())]
-                best_lib = ent[0]
-                ent.sort(key=lambda e: -e[0])
-                ent = ent[:self.top_k]
-                if all(e[2] for e in ent):  # keep the best library anchor: events always name one
-                    ent = ent[:-1] + [best_lib]
             mult = boosts[r] if boosts else {}
+            if rid is None or context is None or not context.has(rid):  # library anchors only: the lists as found
+                kinds = [kind[a] for a in i_l[r]]
+                hits.append(SnapshotHit(
+                    triggers=triggers[r] if triggers else [], anchor_ids=i_l[r], scores=s_l[r],
+                    confidence=boosted_confidence(c_l[r], kinds, mult), lookup_ms=0.0, context=[False] * len(kinds),
+                    kinds=kinds, next_ids=[-1] * len(kinds), library_version=self.version))
+                continue
+            ent = [(s_l[r][j], i_l[r][j], False, c_l[r][j], kind[i_l[r][j]], -1) for j in range(len(i_l[r]))]
+            cs, cp, cn = context.search(rid, hidden[r], self.top_k)
+            cc = anchor_confidence_each(cs[None], torch.full((1, len(cs)), self.context_weight),
+                                        torch.full((1, len(cs)), self.context_decay))[0]
+            ent += [(float(a), int(p), True, float(c), "context", int(t))
+                    for a, p, c, t in zip(cs.tolist(), cp.tolist(), cc.tolist(), cn.tolist())]
+            best_lib = ent[0]
+            ent.sort(key=lambda e: -e[0])
+            ent = ent[:self.top_k]
+            if all(e[2] for e in ent):  # keep the best library anchor: events always name one
+                ent = ent[:-1] + [best_lib]
             hits.append(SnapshotHit(
                 triggers=triggers[r] if triggers else [], anchor_ids=[e[1] for e in ent],
                 scores=[e[0] for e in ent],

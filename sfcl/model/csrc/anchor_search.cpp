@@ -156,12 +156,21 @@ inline void prefetch(const void* p, int64_t n) {
 // (N, D) int8 with code_scale (N,) float32; weights, decay: (N,) float32 per anchor, or undefined
 // (None). Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32), best
 // first; -inf / -1 / NaN where a row has no anchor (see the header); confidences NaN throughout
-// without weights and decay.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
+// without weights and decay. group_centroids (G, D) int8, group_scale (G,) float32, group_offsets
+// (G + 1,) int64, or none of them: cells grouped (group g holds cells group_offsets[g] to
+// group_offsets[g + 1]), and a row ranks only the centroids of its group_probe best groups (the
+// second level of a hierarchical k-means tree: Muja & Lowe, "Scalable nearest neighbor algorithms
+// for high dimensional data", TPAMI 2014). anchor_search_into writes the results to S, I and F
+// (B * k each); anchor_search returns them as tensors, and bindings.cpp's anchor_lookup as Python
+// lists (no torch operator: right after a decode step, creating three small tensors and reading
+// them back cost a lookup ~0.05 ms, scripts/lookup_parts.py).
+void anchor_search_into(
     const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
     const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay) {
+    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
+    int64_t group_probe, float* S, int64_t* I, float* F) {
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "anchor_search: queries must be a contiguous (B, D) float32 tensor");
   const int64_t B = queries.size(0), D = queries.size(1);
@@ -198,16 +207,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
     W = weights->data_ptr<float>();
     L = decay->data_ptr<float>();
   }
+  // groups of cells (a second level over the centroids): group g holds cells [goff[g], goff[g + 1])
+  const bool grouped = group_centroids.has_value();
+  TORCH_CHECK(grouped == group_scale.has_value() && grouped == group_offsets.has_value(),
+              "anchor_search: give group_centroids, group_scale and group_offsets together, or none");
+  const int8_t* G8 = nullptr;
+  const float* g_scale = nullptr;
+  const int64_t* goff = nullptr;
+  int64_t G = 0, gp = 0;
+  if (grouped) {
+    G = group_centroids->dim() == 2 ? group_centroids->size(0) : 0;
+    TORCH_CHECK(G >= 1 && group_centroids->size(1) == D && group_centroids->scalar_type() == at::kChar &&
+                    group_centroids->is_contiguous(),
+                "anchor_search: group_centroids must be a contiguous (G >= 1, D) int8 tensor");
+    TORCH_CHECK(group_scale->dim() == 1 && group_scale->size(0) == G && group_scale->scalar_type() == at::kFloat &&
+                    group_scale->is_contiguous(),
+                "anchor_search: group_scale must be a contiguous (G,) float32 tensor");
+    TORCH_CHECK(group_offsets->dim() == 1 && group_offsets->size(0) == G + 1 &&
+                    group_offsets->scalar_type() == at::kLong && group_offsets->is_contiguous(),
+                "anchor_search: group_offsets must be a contiguous (G + 1,) int64 tensor");
+    TORCH_CHECK(group_probe >= 1, "anchor_search: group_probe must be >= 1");
+    G8 = group_centroids->data_ptr<int8_t>();
+    g_scale = group_scale->data_ptr<float>();
+    goff = group_offsets->data_ptr<int64_t>();
+    TORCH_CHECK(goff[0] == 0 && goff[G] == C, "anchor_search: group_offsets must run from 0 to the number of cells");
+    for (int64_t g = 0; g < G; ++g)
+      TORCH_CHECK(goff[g] <= goff[g + 1], "anchor_search: group_offsets must not decrease (group ", g, ")");
+    gp = std::min(group_probe, G);
+  }
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[C] == M, "anchor_search: offsets must run from 0 to the number of members");
   for (int64_t c = 0; c < C; ++c)  // O(C): a decreasing entry would send the scan outside members
     TORCH_CHECK(off[c] <= off[c + 1], "anchor_search: offsets must not decrease (cell ", c, ")");
 
   const float kNegInf = -std::numeric_limits<float>::infinity();
-  auto scores = at::full({B, k}, kNegInf, queries.options());
-  auto ids = at::full({B, k}, -1, queries.options().dtype(at::kLong));
-  auto conf = at::full({B, k}, std::numeric_limits<float>::quiet_NaN(), queries.options());
-  if (B == 0) return {scores, ids, conf};
+  std::fill(S, S + B * k, kNegInf);
+  std::fill(I, I + B * k, int64_t{-1});
+  std::fill(F, F + B * k, std::numeric_limits<float>::quiet_NaN());
+  if (B == 0) return;
   const float* Q = queries.data_ptr<float>();
   const uint16_t* V = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
   const int8_t* C8 = centroids.data_ptr<int8_t>();
@@ -215,14 +252,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
   const int32_t* mem = members.data_ptr<int32_t>();
   const int8_t* L8 = codes.data_ptr<int8_t>();
   const float* l_scale = code_scale.data_ptr<float>();
-  float* S = scores.data_ptr<float>();
-  int64_t* I = ids.data_ptr<int64_t>();
-  float* F = conf.data_ptr<float>();
   const int64_t np = std::min(nprobe, C);
   const int64_t ahead = 8;  // centroid rows prefetched ahead of the scan
 
-  std::vector<float> qn(B * D), cs(B * C), cand_s(n_candidates), probe_s(np);
-  std::vector<int64_t> cand(n_candidates), probe(np);
+  std::vector<float> qn(B * D), cs(grouped ? 0 : B * C);
   std::vector<char> finite(B);
   std::vector<QueryCodes> qc(B);
   for (int64_t b = 0; b < B; ++b) {  // unit rows, the norm in float64 (sfcl.library.index.unit_rows)
@@ -235,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
     for (int64_t d = 0; d < D; ++d) qn[b * D + d] = float(double(q[d]) / den);
     if (finite[b]) quantise(&qn[b * D], D, qc[b]);
   }
-  int64_t c0 = 0;
+  int64_t c0 = grouped ? C : 0;  // grouped: each row scores the centroids of its groups below
   for (; c0 + 4 <= C; c0 += 4) {  // each centroid read once for all rows, four at a time
     if (c0 + ahead + 4 <= C) prefetch(C8 + (c0 + ahead) * D, 4 * D);
     for (int64_t b = 0; b < B; ++b) {
@@ -245,45 +278,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
       for (int r = 0; r < 4; ++r) cs[b * C + c0 + r] = float(dots[r]) * (c_scale[c0 + r] * qc[b].scale);
     }
   }
-  for (int64_t c = c0; c < C; ++c)
+  for (int64_t c = grouped ? C : c0; c < C; ++c)
     for (int64_t b = 0; b < B; ++b)
       if (finite[b]) cs[b * C + c] = float(dot_codes(C8 + c * D, qc[b], D)) * (c_scale[c] * qc[b].scale);
-  for (int64_t b = 0; b < B; ++b) {
-    if (!finite[b]) continue;
-    const float* q = &qn[b * D];
-    const float* row_cs = &cs[b * C];
-    std::fill(probe_s.begin(), probe_s.end(), kNegInf);
-    std::fill(probe.begin(), probe.end(), -1);
-    for (int64_t c = 0; c < C; ++c) keep_best(probe_s.data(), probe.data(), np, row_cs[c], c);  // ties: lower c
-    std::fill(cand_s.begin(), cand_s.end(), kNegInf);
-    std::fill(cand.begin(), cand.end(), -1);
-    int64_t scanned = 0;
-    for (int64_t p = 0; p < np && probe[p] >= 0; ++p) {
-      const int64_t c = probe[p];
-      const int64_t nxt = p + 1 < np && probe[p + 1] >= 0 ? probe[p + 1] : -1;
-      const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
-      for (int64_t j = off[c]; j < off[c + 1]; ++j) {
-        const int64_t r = j - off[c];
-        if (r < n_next) prefetch(L8 + (off[nxt] + r) * D, D);  // the next cell's row r
-        keep_best(cand_s.data(), cand.data(), n_candidates,
-                  float(dot_codes(L8 + j * D, qc[b], D)) * (l_scale[j] * qc[b].scale), mem[j]);
+  // rows [b0, b1): cells, candidates and re-score, each row on its own. One thread: rows split over
+  // torch's threads (a parallel_for, the engine's OpenMP workers still spinning after the step) did
+  // not lower the served lookup's p99 and once waited 1.5 ms for a worker (fifteenth session).
+  auto rows = [&](int64_t b0, int64_t b1) {
+    std::vector<float> cand_s(n_candidates), probe_s(np), group_s(gp);
+    std::vector<int64_t> cand(n_candidates), probe(np), group(gp);
+    for (int64_t b = b0; b < b1; ++b) {
+      if (!finite[b]) continue;
+      const float* q = &qn[b * D];
+      std::fill(probe_s.begin(), probe_s.end(), kNegInf);
+      std::fill(probe.begin(), probe.end(), -1);
+      if (!grouped) {
+        const float* row_cs = &cs[b * C];
+        for (int64_t c = 0; c < C; ++c) keep_best(probe_s.data(), probe.data(), np, row_cs[c], c);  // ties: lower c
+      } else {  // the group_probe best groups, then the nprobe best cells among their centroids
+        std::fill(group_s.begin(), group_s.end(), kNegInf);
+        std::fill(group.begin(), group.end(), -1);
+        for (int64_t g = 0; g < G; ++g)
+          keep_best(group_s.data(), group.data(), gp, float(dot_codes(G8 + g * D, qc[b], D)) * (g_scale[g] * qc[b].scale), g);
+        std::sort(group.begin(), group.end());  // ascending cells: ties between cells go to the lower one
+        for (int64_t i = 0; i < gp && group[i] >= 0; ++i) {
+          int64_t c = goff[group[i]];
+          const int64_t end = goff[group[i] + 1];
+          for (; c + 4 <= end; c += 4) {
+            int32_t dots[4];
+            dot_codes4(C8 + c * D, qc[b], D, dots);
+            for (int r = 0; r < 4; ++r)
+              keep_best(probe_s.data(), probe.data(), np, float(dots[r]) * (c_scale[c + r] * qc[b].scale), c + r);
+          }
+          for (; c < end; ++c)
+            keep_best(probe_s.data(), probe.data(), np, float(dot_codes(C8 + c * D, qc[b], D)) * (c_scale[c] * qc[b].scale), c);
+        }
       }
-      for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L8 + (off[nxt] + r) * D, D);
-      scanned += off[c + 1] - off[c];
+      std::fill(cand_s.begin(), cand_s.end(), kNegInf);
+      std::fill(cand.begin(), cand.end(), -1);
+      int64_t scanned = 0;
+      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) {
+        const int64_t c = probe[p];
+        const int64_t nxt = p + 1 < np && probe[p + 1] >= 0 ? probe[p + 1] : -1;
+        const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
+        for (int64_t j = off[c]; j < off[c + 1]; ++j) {
+          const int64_t r = j - off[c];
+          if (r < n_next) prefetch(L8 + (off[nxt] + r) * D, D);  // the next cell's row r
+          keep_best(cand_s.data(), cand.data(), n_candidates,
+                    float(dot_codes(L8 + j * D, qc[b], D)) * (l_scale[j] * qc[b].scale), mem[j]);
+        }
+        for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L8 + (off[nxt] + r) * D, D);
+        scanned += off[c + 1] - off[c];
+      }
+      if (scanned < k) continue;  // short: the caller searches this row exactly
+      int64_t n_cand = 0;
+      for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
+        TORCH_CHECK(cand[n_cand] < N, "anchor_search: member id ", cand[n_cand], " out of range for ", N, " anchors");
+        prefetch(V + cand[n_cand] * D, D * 2);
+      }
+      float* s = S + b * k;
+      int64_t* id = I + b * k;
+      for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
+      if (W != nullptr)
+        for (int64_t j = 0; j < k && id[j] >= 0; ++j)  // sfcl.snapshot.triggers.anchor_confidence_each
+          F[b * k + j] = std::min(1.f, std::max(0.f, W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]))));
     }
-    if (scanned < k) continue;  // short: the caller searches this row exactly
-    int64_t n_cand = 0;
-    for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
-      TORCH_CHECK(cand[n_cand] < N, "anchor_search: member id ", cand[n_cand], " out of range for ", N, " anchors");
-      prefetch(V + cand[n_cand] * D, D * 2);
-    }
-    float* s = S + b * k;
-    int64_t* id = I + b * k;
-    for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
-    if (W != nullptr)
-      for (int64_t j = 0; j < k && id[j] >= 0; ++j)  // sfcl.snapshot.triggers.anchor_confidence_each
-        F[b * k + j] = std::min(1.f, std::max(0.f, W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]))));
-  }
+  };
+  rows(0, B);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
+    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
+    int64_t group_probe) {
+  TORCH_CHECK(queries.dim() == 2 && k >= 1, "anchor_search: queries must be a (B, D) tensor and k >= 1");
+  const int64_t B = queries.size(0);
+  auto scores = at::empty({B, k}, at::kFloat);
+  auto ids = at::empty({B, k}, at::kLong);
+  auto conf = at::empty({B, k}, at::kFloat);
+  anchor_search_into(queries, stored, centroids, centroid_scale, offsets, members, codes, code_scale, nprobe, k,
+                     n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe,
+                     scores.data_ptr<float>(), ids.data_ptr<int64_t>(), conf.data_ptr<float>());
   return {scores, ids, conf};
 }
 

@@ -11,15 +11,60 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace sfcl {
 // anchor_search.cpp
+void anchor_search_into(
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
+    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
+    int64_t group_probe, float* S, int64_t* I, float* F);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
     const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
     const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay);
+    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
+    int64_t group_probe);
+
+// anchor_search with the results as Python lists (scores, ids, confidences: B lists of k) and
+// whether some row came back short (an id -1): no tensor is created (anchor_search.cpp's header).
+inline pybind11::tuple anchor_lookup(
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
+    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
+    int64_t group_probe) {
+  namespace py = pybind11;
+  TORCH_CHECK(queries.dim() == 2 && k >= 1, "anchor_lookup: queries must be a (B, D) tensor and k >= 1");
+  const int64_t B = queries.size(0);
+  std::vector<float> S(B * k), F(B * k);
+  std::vector<int64_t> I(B * k);
+  anchor_search_into(queries, stored, centroids, centroid_scale, offsets, members, codes, code_scale, nprobe, k,
+                     n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe, S.data(),
+                     I.data(), F.data());
+  py::list scores(B), ids(B), conf(B);
+  bool short_row = false;
+  for (int64_t b = 0; b < B; ++b) {
+    py::list s(k), i(k), c(k);
+    for (int64_t j = 0; j < k; ++j) {
+      s[j] = py::float_(S[b * k + j]);
+      i[j] = py::int_(I[b * k + j]);
+      c[j] = py::float_(F[b * k + j]);
+      short_row = short_row || I[b * k + j] < 0;
+    }
+    scores[b] = s;
+    ids[b] = i;
+    conf[b] = c;
+  }
+  return py::make_tuple(scores, ids, conf, short_row);
+}
 
 // How many of torch's intra-op threads an at::parallel_for over n items (grain 1) in this library
 // runs on: 1 when the library was built without OpenMP, whatever torch.get_num_threads() says
@@ -34,16 +79,27 @@ inline int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "SFCL's native CPU kernels (sfcl.model.decode_kernel)";
-  m.def("anchor_search", &sfcl::anchor_search,
-        "The snapshot lookup's IVF pass (anchor_search.cpp), GIL held: queries (B, D) float32 "
-        "contiguous, stored (N, D) float16, centroids (C, D) int8, centroid_scale (C,) float32, "
-        "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32, "
-        "weights and decay (N,) float32 or None. Returns (scores (B, k) float32, ids (B, k) int64, "
-        "confidences (B, k) float32), best first, -inf / -1 / NaN where a row has no anchor, "
-        "confidences NaN without weights. Raises RuntimeError for arguments that do not fit together.",
-        py::arg("queries"), py::arg("stored"), py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"),
-        py::arg("members"), py::arg("codes"), py::arg("code_scale"), py::arg("nprobe"), py::arg("k"),
-        py::arg("n_candidates"), py::arg("weights") = py::none(), py::arg("decay") = py::none());
+  const char* pass_doc =
+      "The snapshot lookup's IVF pass (anchor_search.cpp), GIL held: queries (B, D) float32 "
+      "contiguous, stored (N, D) float16, centroids (C, D) int8, centroid_scale (C,) float32, "
+      "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32, "
+      "weights and decay (N,) float32 or None; group_centroids (G, D) int8, group_scale (G,) float32, "
+      "group_offsets (G + 1,) int64 (cells grouped: only the group_probe best groups' cells are "
+      "ranked) or None. Scores, ids and confidences per row, best first, -inf / -1 / NaN where a row "
+      "has no anchor, confidences NaN without weights. Raises RuntimeError for arguments that do not "
+      "fit together.";
+  auto def_pass = [&](const char* name, auto fn, const std::string& returns) {
+    m.def(name, fn, (std::string(pass_doc) + " " + returns).c_str(), py::arg("queries"), py::arg("stored"),
+          py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"), py::arg("members"), py::arg("codes"),
+          py::arg("code_scale"), py::arg("nprobe"), py::arg("k"), py::arg("n_candidates"),
+          py::arg("weights") = py::none(), py::arg("decay") = py::none(), py::arg("group_centroids") = py::none(),
+          py::arg("group_scale") = py::none(), py::arg("group_offsets") = py::none(), py::arg("group_probe") = 0);
+  };
+  def_pass("anchor_search", &sfcl::anchor_search,
+           "Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32) tensors.");
+  def_pass("anchor_lookup", &sfcl::anchor_lookup,
+           "Returns (scores, ids, confidences, short): B Python lists of k each, and whether a row has an id -1 "
+           "(no tensor created: the served lookup's call).");
   m.def("parallel_threads", &sfcl::parallel_threads,
         "Threads an at::parallel_for over n items (grain 1) runs on in this library (1 without OpenMP).",
         py::arg("n"));
