@@ -11,7 +11,7 @@ import torch
 from sfcl.model import decode_kernel, decode_stack
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel, StepBatch
-from sfcl.model.quant import quantize_weights
+from sfcl.model.quant import QuantLinear, quantize_weights
 
 PROMPTS = ["The term of this Agreement shall be three (3) years from the Effective Date.",
            "Confidential Information means any information disclosed by either party",
@@ -59,15 +59,21 @@ def _both_ways(model, args, dtype, prompts, next_ids, tap):
     return out
 
 
-@pytest.mark.parametrize("weights", ["none", "int4", "int8"])
+@pytest.mark.parametrize("weights", ["none", "int4/torch", "int4/sfcl", "int8"])
 @pytest.mark.parametrize("B", [1, 3, 8])  # 8 > max_rows: the dense copies of the quantized weights
-def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B):
+def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B, monkeypatch):
     """Same logits, tap hidden state, snapshot-layer weights and K/V writes as the Python forward,
     on the bundled model over real prompts: bit for bit in float32 (also where the packed kernels
-    round activations to bf16), to rounding in the CPU's dtype where that is bf16."""
+    round activations to bf16), to rounding in the CPU's dtype where that is bf16. int4 with either
+    int4 GEMV (``quant.int4_kernel``: torch's, or SFCL's int4 x int8)."""
+    mode, _, int4_kernel = weights.partition("/")
+    if int4_kernel:
+        monkeypatch.setenv("SFCL_INT4_KERNEL", int4_kernel)
     for m in {id(lm): lm, id(lm_fp32): lm_fp32}.values():
         model = copy.deepcopy(m.model)
-        quantize_weights(model, weights)
+        quantize_weights(model, mode)
+        if int4_kernel:
+            assert all(q.kernel == int4_kernel for q in model.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
         dtype = next(model.parameters()).dtype
         prompts = [m.tokenizer(PROMPTS[i % 4], add_special_tokens=False)["input_ids"][: 6 + 3 * i] for i in range(B)]
         nxt = [p[-1] for p in prompts]
@@ -149,7 +155,8 @@ def test_cached_arguments_follow_a_weight_swap(kernel):
     assert before.kinds == [decode_stack.KIND_DENSE] * 8
     quantize_weights(m, "int4")
     after = decode_stack.layer_args(m, 1)
-    assert after.kinds == [decode_stack.KIND_INT4] * 8
+    sfcl_int4 = m.layers[0].mlp.down_proj.kernel == "sfcl"  # quant.int4_kernel: SFCL's GEMV on AVX2 CPUs
+    assert after.kinds == [decode_stack.KIND_INT4_Q8 if sfcl_int4 else decode_stack.KIND_INT4] * 8
     assert decode_stack.layer_args(m, 7).kinds == [decode_stack.KIND_DENSE] * 8  # above max_rows: the dense copies
     assert decode_stack.layer_args(copy.deepcopy(m), 1) is not after  # a copy gets its own tensors
 

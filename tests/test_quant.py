@@ -74,6 +74,14 @@ def test_int4_unpacked_copy_matches_the_kernel_packing():
     torch.testing.assert_close(keep.dequantized_weight(), deq.dequantized_weight(), rtol=0, atol=0)
 
 
+def _int4_packed(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel q's packed path runs (``QuantLinear.kernel``, ``quant.int4_kernel``: torch's
+    on bf16 activations, or SFCL's int4 x int8 on x as it is), in x's dtype."""
+    if q.kernel == "sfcl":
+        return torch.ops.sfcl.int4_linear(x.contiguous(), q.q4codes, q.q4sz)
+    return torch._weight_int4pack_mm_for_cpu(x.bfloat16(), q.qweight, 32, q.scales_and_zeros).to(x.dtype)
+
+
 def test_int8_symmetric_per_channel():
     w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 2.0]])
     q, s = quantize_int8(w)
@@ -87,7 +95,7 @@ def test_dispatch_by_rows(mode, dense):
     lin = _linear(seed=4)
     q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
     packed = (lambda x: torch._weight_int8pack_mm(x, q.qweight, q.scales)) if mode == "int8" else \
-        (lambda x: torch._weight_int4pack_mm_for_cpu(x, q.qweight, 32, q.scales_and_zeros))
+        (lambda x: _int4_packed(q, x))
     dense_w = q.dense_weight if dense == "keep" else q.dequantized_weight()
     # either way the dense path multiplies by the packed kernel's weights, not the original ones
     torch.testing.assert_close(dense_w.float(), q.dequantized_weight().float(), rtol=0, atol=1e-6)
@@ -195,6 +203,13 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
         return real_linear(x, w, b)
 
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", count4)
+    real4q8 = quant.int4_mm
+
+    def count4q8(*a):
+        calls["int4"] += 1
+        return real4q8(*a)
+
+    monkeypatch.setattr(quant, "int4_mm", count4q8)  # SFCL's int4 x int8 GEMV where quant.int4_kernel picks it
     monkeypatch.setattr(quant, "int8_mm", count8)  # SFCL's int8 GEMV or torch's (test_int8_mm_*)
     monkeypatch.setattr(F, "linear", count_linear)
     ids = lm.tokenizer("The Recipient shall keep all Confidential Information", add_special_tokens=False)["input_ids"]
@@ -240,7 +255,7 @@ def test_fp16_dense_path_serves_batches_above_max_rows():
     lin = nn.Linear(128, 96)
     q = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="fp16")
     x2, x3 = torch.randn(2, 128), torch.randn(3, 128)
-    packed = torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), q.qweight, 32, q.scales_and_zeros).float() + lin.bias
+    packed = _int4_packed(q, x2).float() + lin.bias
     assert torch.equal(q(x2), packed)
     # the dense path multiplies by the kernel's weights (codes x bf16 scales), held in fp16
     sz = q.scales_and_zeros
@@ -322,7 +337,7 @@ def test_prompt_rows_dense_sends_few_rows_to_the_dense_path():
     lin = _linear(seed=5)
     q = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="keep")
     x1 = _x(1)
-    packed = torch._weight_int4pack_mm_for_cpu(x1, q.qweight, 32, q.scales_and_zeros)
+    packed = _int4_packed(q, x1)
     assert torch.equal(q(x1), packed)
     with prompt_rows_dense():
         assert torch.equal(q(x1), F.linear(x1, q.dense_weight))

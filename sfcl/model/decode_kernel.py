@@ -50,7 +50,7 @@ CSRC = Path(__file__).with_name("csrc")
 # one library; see also sfcl.model.decode_stack and sfcl.library.index (anchor_search)
 # bindings.cpp first: the slowest to compile (pybind11's headers), so ninja starts it while the others build
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
-                                   "int8_linear.cpp"))
+                                   "int8_linear.cpp", "int4_linear.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
 # (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one).
@@ -62,7 +62,7 @@ HEADERS = (CSRC / "sfcl_kernels.h",)
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
-OPS = ("decode_attention", "decode_layers", "int8_linear")  # the torch operators a loaded library must register
+OPS = ("decode_attention", "decode_layers", "int8_linear", "int4_linear")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold

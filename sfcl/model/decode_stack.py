@@ -26,7 +26,7 @@ from torch import nn
 from sfcl.model import quant
 from sfcl.model.quant import QuantLinear
 
-KIND_DENSE, KIND_INT8, KIND_INT4 = 0, 1, 2  # csrc/decode_layers.cpp's kDense, kInt8, kInt4
+KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_Q8 = 0, 1, 2, 3  # csrc/decode_layers.cpp's kDense, kInt8, kInt4, kInt4Q8
 _EMPTY = torch.empty(0)
 _cache: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # model -> {key: LayerArgs}
 
@@ -52,6 +52,8 @@ def _projection(lin: nn.Module, rows: int) -> tuple[int, torch.Tensor, torch.Ten
         if path == "packed":
             if lin.mode == "int8":
                 return KIND_INT8, lin.qweight, lin.scales, lin.bias
+            if lin.kernel == "sfcl":  # SFCL's int4 x int8 GEMV and layout (quant.int4_kernel)
+                return KIND_INT4_Q8, lin.q4codes, lin.q4sz, lin.bias
             return KIND_INT4, lin.qweight, lin.scales_and_zeros, lin.bias
         if path == "dense":
             return KIND_DENSE, lin.dense_weight, _EMPTY, lin.bias

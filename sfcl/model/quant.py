@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,55 @@ def _int4_kernel_weight(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
     return dequantize_int4(q, scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t())
 
 
+INT4_KERNELS = ("auto", "sfcl", "torch")
+
+
+def int4_kernel() -> str:
+    """Which GEMV an int4 ``QuantLinear``'s packed path runs: ``"sfcl"`` (``torch.ops.sfcl.int4_linear``,
+    int8 activations, SFCL's layout; ``csrc/int4_linear.cpp``) or ``"torch"``
+    (``torch._weight_int4pack_mm_for_cpu``, bf16 activations). ``$SFCL_INT4_KERNEL`` = ``auto``
+    (default): SFCL's where torch's CPU capability is below AVX-512 (there torch's int4 kernel read
+    the weights at ~9 GB/s; ``scripts/profile_int4_linear.py``) and SFCL's native kernels load,
+    else torch's. Raises ValueError for another value of the variable."""
+    want = os.environ.get("SFCL_INT4_KERNEL", "auto")
+    if want not in INT4_KERNELS:
+        raise ValueError(f"SFCL_INT4_KERNEL must be one of {', '.join(INT4_KERNELS)}, got {want!r}")
+    if want == "torch" or (want == "auto" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
+        return "torch"
+    return "sfcl" if decode_kernel.load() else "torch"
+
+
+def int4_q8_layout(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SFCL's own layout of an int4 weight for ``torch.ops.sfcl.int4_linear`` (``csrc/int4_linear.cpp``):
+    codes q (N, K) uint8 in 0..15 and torch's kernel's (K/32, N, 2) scales and zeros (bf16) ->
+    codes (N/8, K/32, 128) uint8 (per block of 8 rows and group, 4 chunks of 32 bytes: in chunk i,
+    bytes 4r..4r+3 hold row r's codes of k-quad 2i in their low nibbles and of k-quad 2i+1 in their
+    high ones) and sz (N/8, K/32, 16) bf16 (the 8 rows' scales, then their zeros).
+    Raises ValueError when N is not a multiple of 8 or K of 32."""
+    N, K = q.shape
+    if N % 8 or K % INT4_GROUP:
+        raise ValueError(f"int4_q8_layout needs N % 8 == 0 and K % {INT4_GROUP} == 0, got ({N}, {K})")
+    NB, G = N // 8, K // INT4_GROUP
+    qq = q.to(torch.uint8).reshape(NB, 8, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # (rb, g, chunk i, nibble h, row r, t)
+    codes = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).reshape(NB, G, 4 * INT4_GROUP)  # k = 32 g + 4 (2 i + h) + t
+    sz = scales_and_zeros.to(torch.bfloat16).reshape(G, NB, 8, 2).permute(1, 0, 3, 2).reshape(NB, G, 16)
+    return codes.contiguous(), sz.contiguous()
+
+
+def int4_q8_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``int4_q8_layout`` for the codes: (N/8, K/32, 128) uint8 -> q (N, K) uint8."""
+    NB, G, _ = codes.shape
+    c = codes.reshape(NB, G, 4, 8, 4)  # (rb, g, chunk i, row r, t)
+    q = torch.stack([c & 15, c >> 4], 3)  # (rb, g, i, h, r, t)
+    return q.permute(0, 4, 1, 2, 3, 5).reshape(NB * 8, G * INT4_GROUP)
+
+
+def int4_mm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 / bf16 times the int4 weight in SFCL's layout (``int4_q8_layout``) -> (M, N)
+    in x's dtype: ``torch.ops.sfcl.int4_linear`` (int8 activations per block of 32)."""
+    return torch.ops.sfcl.int4_linear(x, codes, sz)
+
+
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) bf16 times the int8 weight q (N, K) int8 with scales (N,) bf16 -> (M, N) bf16: SFCL's
     ``torch.ops.sfcl.int8_linear`` once its native library is loaded (``sfcl.model.decode_kernel``;
@@ -227,6 +277,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"int8 needs in_features ({self.in_features}) to be a multiple of {INT8_K_MULTIPLE}")
         dt = KERNEL_DTYPE  # the packed kernels' activation and scale dtype, whatever the model's
         self.bias = bias  # shared with the source module (nn.Parameter or None)
+        self.kernel: str | None = None  # int4: "sfcl" or "torch" (``int4_kernel``); int8: int8_mm picks per call
         if mode == "int8":
             q, s = quantize_int8(weight)
             self.register_buffer("qweight", q)  # (N, K) int8
@@ -235,9 +286,17 @@ class QuantLinear(nn.Module):
         else:
             q, scale, zero = quantize_int4(weight)
             N, K = q.shape
-            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # (N, K/2) uint8, kernel layout
-            # (K/group, N, 2): [..., 0] = scale, [..., 1] = zero, the kernel's layout
+            # (K/group, N, 2): [..., 0] = scale, [..., 1] = zero, torch's kernel's layout (the weights either kernel
+            # multiplies by: codes times these bf16 values)
             self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).to(dt).contiguous())
+            self.kernel = int4_kernel() if N % 8 == 0 else "torch"
+            if self.kernel == "sfcl":  # SFCL's layout only: (N/8, K/32, 128) uint8 codes, (N/8, K/32, 16) bf16
+                codes, sz = int4_q8_layout(q, self.scales_and_zeros)
+                self.register_buffer("q4codes", codes)
+                self.register_buffer("q4sz", sz)
+                self.qweight = None
+            else:
+                self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # (N, K/2) uint8, kernel layout
             if dense == "dequant":
                 self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
             kernel_w = (lambda: _int4_kernel_weight(q, self.scales_and_zeros)) if dense != "dequant" else None
@@ -261,6 +320,8 @@ class QuantLinear(nn.Module):
             return _int8_kernel_weight(self.qweight, self.scales).to(dt)
         if self.dense == "dequant":
             q = torch.stack([self.qnibbles & 15, self.qnibbles >> 4], -1).reshape(self.out_features, self.in_features)
+        elif self.kernel == "sfcl":
+            q = int4_q8_codes(self.q4codes)
         else:  # recover q through the kernel itself: rows of the identity pick columns of W^T
             eye = torch.eye(self.in_features, dtype=dt, device=self.qweight.device)
             return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
@@ -284,6 +345,8 @@ class QuantLinear(nn.Module):
             xk = x2.to(KERNEL_DTYPE).contiguous()
             if self.mode == "int8":
                 y = int8_mm(xk, self.qweight, self.scales)  # (M, N)
+            elif self.kernel == "sfcl":  # int8 activations from x as it is (float32 or bf16)
+                y = int4_mm(x2.contiguous(), self.q4codes, self.q4sz)
             else:
                 y = torch._weight_int4pack_mm_for_cpu(xk, self.qweight, INT4_GROUP, self.scales_and_zeros)
             y = y.to(x.dtype)

@@ -1,4 +1,4 @@
-// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp).
+// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -142,6 +142,9 @@ inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
 
 // torch.ops.sfcl.int8_linear; see int8_linear.cpp.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+
+// torch.ops.sfcl.int4_linear; see int4_linear.cpp.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz);
 
 // torch.ops.sfcl.decode_attention; see decode_attention.cpp and sfcl/model/decode_kernel.py.
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,

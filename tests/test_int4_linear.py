@@ -1,0 +1,85 @@
+"""SFCL's int4 x int8 GEMV (``torch.ops.sfcl.int4_linear``, ``csrc/int4_linear.cpp``) and its weight
+layout (``sfcl.model.quant.int4_q8_layout``): error against float64 with the same weights, the
+layout's round trip, both activation dtypes, the contract's errors, and QuantLinear's packed path
+running it when ``int4_kernel`` says "sfcl"."""
+
+import pytest
+import torch
+
+from sfcl.model import decode_kernel, quant
+from sfcl.model.quant import QuantLinear, int4_q8_codes, int4_q8_layout, quantize_int4
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+
+
+def _weights(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, scale, zero = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()  # torch's (K/32, N, 2)
+    return q, sz, quant._int4_kernel_weight(q, sz)  # codes, scales and zeros, (N, K) float32 weights
+
+
+def test_layout_round_trip_and_shapes():
+    q, sz, _ = _weights(24, 96)
+    codes, s = int4_q8_layout(q, sz)
+    assert codes.shape == (3, 3, 128) and codes.dtype == torch.uint8
+    assert s.shape == (3, 3, 16) and s.dtype == torch.bfloat16
+    assert torch.equal(int4_q8_codes(codes), q)
+    # block 1, group 2: rows 8..15, the scales then the zeros of torch's layout
+    assert torch.equal(s[1, 2, :8], sz[2, 8:16, 0]) and torch.equal(s[1, 2, 8:], sz[2, 8:16, 1])
+    with pytest.raises(ValueError, match="N % 8"):
+        int4_q8_layout(q[:20], sz[:, :20])
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (8, 32)])
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_error_against_float64_is_the_int8_activations(kernel, n, k, m):
+    """Relative error of y against x @ W^T in float64 with the kernel's own weights (codes times bf16
+    scales): what the int8 activations cost, ~6e-3 on Gaussian rows (torch's kernel, bf16
+    activations: ~2.4e-3); a wrong scale, zero term or row order would be O(1)."""
+    q, sz, w = _weights(n, k, seed=n + k)
+    codes, s = int4_q8_layout(q, sz)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = x.double() @ w.double().T
+    for xx in (x, x.bfloat16()):
+        y = torch.ops.sfcl.int4_linear(xx, codes, s)
+        assert y.shape == (m, n) and y.dtype == xx.dtype
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < 1.2e-2, err
+    assert torch.ops.sfcl.int4_linear(x[:0], codes, s).shape == (0, n)
+    zero_row = torch.ops.sfcl.int4_linear(torch.zeros(1, k), codes, s)
+    assert torch.equal(zero_row, torch.zeros(1, n))  # no activation: no zero-point term either
+
+
+def test_rejects_inconsistent_arguments(kernel):
+    q, sz, _ = _weights(16, 64)
+    codes, s = int4_q8_layout(q, sz)
+    x = torch.randn(2, 64)
+    for bad in ((x[:, :32].contiguous(), codes, s), (x.double(), codes, s), (x, codes[..., :64], s),
+                (x, codes, s.float()), (x, codes, s[:1]), (x.t(), codes, s)):
+        with pytest.raises(RuntimeError, match="int4_linear"):
+            torch.ops.sfcl.int4_linear(*bad)
+
+
+def test_quant_linear_runs_it_where_chosen(kernel, monkeypatch):
+    """SFCL_INT4_KERNEL=sfcl: the packed path is int4_linear on x as it is, the layout replaces
+    torch's packed weight, and the dense path still multiplies by the same weights."""
+    monkeypatch.setenv("SFCL_INT4_KERNEL", "sfcl")
+    lin = torch.nn.Linear(128, 96)
+    ql = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="keep")
+    assert ql.kernel == "sfcl" and ql.qweight is None and ql.q4codes.shape == (12, 4, 128)
+    x2 = torch.randn(2, 128)
+    assert torch.equal(ql(x2), torch.ops.sfcl.int4_linear(x2, ql.q4codes, ql.q4sz) + lin.bias)
+    q = quantize_int4(lin.weight.data)[0]  # the weights recovered from the layout are the quantized ones
+    assert torch.equal(ql.dequantized_weight(), quant._int4_kernel_weight(q, ql.scales_and_zeros).to(torch.bfloat16))
+    x3 = torch.randn(3, 128)
+    torch.testing.assert_close(ql(x3), torch.nn.functional.linear(x3, ql.dense_weight, lin.bias))
+    monkeypatch.setenv("SFCL_INT4_KERNEL", "torch")
+    assert QuantLinear.from_linear(lin, "int4", max_rows=2).kernel == "torch"
+    monkeypatch.setenv("SFCL_INT4_KERNEL", "fast")
+    with pytest.raises(ValueError, match="SFCL_INT4_KERNEL"):
+        QuantLinear.from_linear(lin, "int4", max_rows=2)
