@@ -40,6 +40,9 @@ if objdump -d "$bin" | grep -q '%zmm'; then
   exit 1
 fi
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SFCL_KERNEL_MARCH=haswell
+# inductor's own cache for these runs: code it compiled under ATEN_CPU_CAPABILITY=avx2 and reused by a
+# native process corrupted that process's heap (2026-12-05, docs/benchmarks.md)
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_avx2_$(id -u)}
 export SFCL_LLAMA_SERVER=$bin
 exec sfcl bench --systems sfcl-triggered,llama-server --sfcl-args "--max-num-seqs 16" \
   --workloads single,concurrent,longdoc --concurrency 16,32 --requests-per-level 32 --single-requests 6 \

@@ -29,6 +29,9 @@ ENV_VARS = (
     ("SFCL_DECODE_KERNEL", "`sfcl.model.decode_kernel.load`",
      "`0`: never build or load SFCL's native CPU kernels (decode attention and layers, as `--attention-kernel "
      "torch`; the int8 GEMV, torch's instead; the anchor search's IVF pass, in torch operators)."),
+    ("SFCL_INT4_KERNEL", "`sfcl.model.quant.int4_kernel`",
+     "Which GEMV int4 weights run on: `auto` (default; SFCL's int4 x int8 kernel where torch's CPU capability "
+     "is below AVX-512 and SFCL's kernels load, else torch's), `sfcl`, or `torch`."),
     ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
      "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
      "flags, torch version and CPU-flags hash)."),

@@ -5,7 +5,9 @@ operators: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
 ``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``, every decoder
 layer of a decode-only step in one call; ``sfcl.model.decode_stack``), ``torch.ops.sfcl.int8_linear``
 (``int8_linear.cpp``, the int8 weights' GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place
-of torch's once the library is loaded; ``loaded``), and the module's ``anchor_search``
+of torch's once the library is loaded; ``loaded``), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``,
+the int4 weights' GEMV on int8 activations, which ``QuantLinear`` runs where ``quant.int4_kernel``
+picks it: CPUs below AVX-512), and the module's ``anchor_search`` / ``anchor_lookup``
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
 
@@ -196,7 +198,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 GEMV, anchor search) with the C++ "
+        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search) with the C++ "
               "compiler "
               "(once per machine kind, ~25 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))

@@ -21,7 +21,10 @@ Modes (weights quantized, activations stay bf16/fp32 — "W8A16"/"W4A16", as in 
   the fp32 dequantized GGUF (0 of 106,168,320 differ), and the re-quantized fp32 weights equal the
   GGUF's exactly; only the kernel's bf16 scale/zero round (max |error| vs the fp32 GGUF weights
   0.033, against 0.014 for the bf16 weights themselves). ``lm_head`` stays int8 (see
-  ``DEFAULT_LM_HEAD``).
+  ``DEFAULT_LM_HEAD``). Where torch's CPU capability is below AVX-512, the packed path is SFCL's
+  int4 x int8 GEMV instead (``int4_kernel``, ``int4_q8_layout``, ``csrc/int4_linear.cpp``): the
+  same codes and bf16 scales in its own layout, activations quantised to int8 per block of 32
+  ("W4A8" on that path; NDA perplexity +0.35% against +0.26% with torch's kernel, AVX2 code paths).
 
 Dispatch by the number of input rows M (= decode batch rows, or prompt tokens in a prefill chunk):
 the packed kernels are memory-bound GEMVs that beat a bf16 GEMM only while M is small (measured on
