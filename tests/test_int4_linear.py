@@ -33,6 +33,10 @@ def test_layout_round_trip_and_shapes():
     assert torch.equal(s[1, 2, :8], sz[2, 8:16, 0]) and torch.equal(s[1, 2, 8:], sz[2, 8:16, 1])
     with pytest.raises(ValueError, match="N % 8"):
         int4_q8_layout(q[:20], sz[:, :20])
+    with pytest.raises(ValueError, match="scales_and_zeros"):
+        int4_q8_layout(q, sz[:, :16])
+    with pytest.raises(ValueError, match="0..15"):
+        int4_q8_layout(q + 1, sz)  # q holds 15s: 16 would wrap into the next nibble
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (8, 32)])
@@ -53,6 +57,40 @@ def test_error_against_float64_is_the_int8_activations(kernel, n, k, m):
     assert torch.ops.sfcl.int4_linear(x[:0], codes, s).shape == (0, n)
     zero_row = torch.ops.sfcl.int4_linear(torch.zeros(1, k), codes, s)
     assert torch.equal(zero_row, torch.zeros(1, n))  # no activation: no zero-point term either
+
+
+def test_tiny_huge_and_non_finite_activations(kernel):
+    """A block of tiny values (max |x| below 127 / FLT_MAX: 127 / max |x| is infinite) keeps its
+    signs, 1e30 scales through, and inf or NaN in x gives a non-finite output, not a wrong finite one
+    (break-it pass: tiny blocks all came out -127)."""
+    q, sz, w = _weights(16, 64, seed=3)
+    codes, s = int4_q8_layout(q, sz)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    for scale in (1e-37, 1e-30, 1.0, 1e30):
+        xs = x * scale
+        ref = xs.double() @ w.double().T
+        err = float((torch.ops.sfcl.int4_linear(xs, codes, s).double() - ref).norm() / ref.norm())
+        # at 1e-37 the codes' scale is floored at FLT_MIN, so fewer levels: 3.7% (was 440%: signs lost)
+        assert err < (0.1 if scale < 1e-36 else 2e-2), (scale, err)
+    bad = x.clone()
+    bad[0, 5] = float("inf")
+    assert not torch.isfinite(torch.ops.sfcl.int4_linear(bad, codes, s)).any()
+    bad[0, 5] = float("nan")
+    assert torch.isnan(torch.ops.sfcl.int4_linear(bad, codes, s)).all()
+
+
+def test_float16_activations(kernel, monkeypatch):
+    """A float16 model (``--dtype float16``) on SFCL's kernel: the same products, returned in float16
+    (break-it pass: the kernel refused float16 and such a model failed every decode step)."""
+    q, sz, w = _weights(32, 64, seed=5)
+    codes, s = int4_q8_layout(q, sz)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    y = torch.ops.sfcl.int4_linear(x.half(), codes, s)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), torch.ops.sfcl.int4_linear(x.half().float(), codes, s), atol=2e-3, rtol=2e-3)
+    monkeypatch.setenv("SFCL_INT4_KERNEL", "sfcl")
+    ql = QuantLinear.from_linear(torch.nn.Linear(64, 16).half(), "int4", max_rows=6)
+    assert ql.kernel == "sfcl" and ql(torch.randn(1, 64).half()).dtype == torch.float16
 
 
 def test_rejects_inconsistent_arguments(kernel):

@@ -338,7 +338,7 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     if B == 0:
         return torch.full((0, k), float("-inf")), torch.full((0, k), -1, dtype=torch.int64)
     q8, qs = int8_rows(torch.nan_to_num(qn))  # (B, D) int8 codes of the query, (B,) scale
-    q8 = q8.float()  # integer products and sums below 2**24: exact in float32, as the native int32 sums
+    q8 = q8.float()  # integer products and sums below 2**24 for D <= 1,040: exact in float32, as the native int32 sums
     cs = (q8 @ cells.centroids.float().T) * (cells.centroid_scale[None, :] * qs[:, None])  # (B, C)
     if group_probe and cells.group_centroids is not None:  # rank only the cells of the best groups
         gs = (q8 @ cells.group_centroids.float().T) * (cells.group_scale[None, :] * qs[:, None])  # (B, G)

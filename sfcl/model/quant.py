@@ -230,6 +230,10 @@ def int4_q8_layout(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[tor
     N, K = q.shape
     if N % 8 or K % INT4_GROUP:
         raise ValueError(f"int4_q8_layout needs N % 8 == 0 and K % {INT4_GROUP} == 0, got ({N}, {K})")
+    if tuple(scales_and_zeros.shape) != (K // INT4_GROUP, N, 2):
+        raise ValueError(f"scales_and_zeros must be ({K // INT4_GROUP}, {N}, 2), got {tuple(scales_and_zeros.shape)}")
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError("int4 codes must be in 0..15")
     NB, G = N // 8, K // INT4_GROUP
     qq = q.to(torch.uint8).reshape(NB, 8, G, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # (rb, g, chunk i, nibble h, row r, t)
     codes = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).reshape(NB, G, 4 * INT4_GROUP)  # k = 32 g + 4 (2 i + h) + t

@@ -9,9 +9,9 @@
 // re-score the candidates in float32 against the library's stored float16 vectors and return the k
 // best: the returned scores are the stored vectors' scores (up to float32 summation order), and with
 // per-anchor weights and decays the snapshot confidence of each (sfcl.snapshot.triggers.
-// anchor_confidence_each). The integer dot products are exact (|sum| <= D * 127^2 < 2^24 for D <= 1040),
-// so sfcl.library.index.ivf_search_torch, which takes the same steps in float32, picks the same
-// cells and candidates. They run 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2
+// anchor_confidence_each). The integer dot products are exact in int32 (|sum| <= D * 127^2 < 2^31
+// for D <= 131,072), and for D <= 1,040 (sums below 2^24) sfcl.library.index.ivf_search_torch, which
+// takes the same steps in float32, picks the same cells and candidates. They run 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2
 // vpmaddubsw on |q| and the codes with q's sign, as llama.cpp's q8 dot products), and the next
 // cell's and the candidates' rows are prefetched: after a decode step the index is out of the
 // caches, and the pass is memory-bound. The inverted file is Jégou et
@@ -174,7 +174,7 @@ void anchor_search_into(
   TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "anchor_search: queries must be a contiguous (B, D) float32 tensor");
   const int64_t B = queries.size(0), D = queries.size(1);
-  TORCH_CHECK(D <= 1040, "anchor_search: D must be at most 1040 (int32 sums of int8 products), got ", D);
+  TORCH_CHECK(D <= 131072, "anchor_search: D must be at most 131072 (int32 sums of int8 products), got ", D);
   TORCH_CHECK(stored.dim() == 2 && stored.size(1) == D && stored.scalar_type() == at::kHalf && stored.is_contiguous(),
               "anchor_search: stored must be a contiguous (N, D) float16 tensor with the queries' D");
   const int64_t N = stored.size(0);
@@ -340,8 +340,10 @@ void anchor_search_into(
       int64_t* id = I + b * k;
       for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
       if (W != nullptr)
-        for (int64_t j = 0; j < k && id[j] >= 0; ++j)  // sfcl.snapshot.triggers.anchor_confidence_each
-          F[b * k + j] = std::min(1.f, std::max(0.f, W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]))));
+        for (int64_t j = 0; j < k && id[j] >= 0; ++j) {  // sfcl.snapshot.triggers.anchor_confidence_each
+          const float c = W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]));
+          F[b * k + j] = c != c ? c : std::min(1.f, std::max(0.f, c));  // NaN stays NaN, as numpy's clip leaves it
+        }
     }
   };
   rows(0, B);

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "sfcl_kernels.h"
@@ -58,12 +59,20 @@ void quantise_row(const T* x, int64_t K, int8_t* x8, float* d, int32_t* xs, floa
       amax = std::max(amax, std::fabs(v[j]));
       sum += v[j];
     }
-    const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    if (!std::isfinite(amax)) {  // inf or NaN in the block: no codes, and a non-finite result (d NaN)
+      for (int64_t j = 0; j < kGroup; ++j) x8[g * kGroup + j] = 0;
+      d[g] = std::numeric_limits<float>::quiet_NaN();
+      xs[g] = 0;
+      fs[g] = sum;
+      continue;
+    }
+    // the scale floored at FLT_MIN: a block of tiny values (max |x| < 127 / FLT_MAX) would make
+    // 127 / max |x| infinite, and the cast of an infinite code to int is undefined (it gave -127)
+    const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
     int32_t s = 0;
     for (int64_t j = 0; j < kGroup; ++j) {
-      const int32_t c = static_cast<int32_t>(std::nearbyint(v[j] * inv));
-      x8[g * kGroup + j] = static_cast<int8_t>(std::clamp(c, -127, 127));
+      const float c = std::nearbyint(v[j] / scale);  // |c| <= 127
+      x8[g * kGroup + j] = static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
       s += x8[g * kGroup + j];
     }
     d[g] = scale;
@@ -149,11 +158,12 @@ void row_blocks(const uint8_t* codes, const uint16_t* sz, const int8_t* x8, cons
 
 }  // namespace
 
-// x (M, K) float32 or bfloat16, contiguous; codes (N / 8, K / 32, 128) uint8 and sz (N / 8, K / 32,
+// x (M, K) float32, bfloat16 or float16, contiguous; codes (N / 8, K / 32, 128) uint8 and sz (N / 8, K / 32,
 // 16) bfloat16 in the layout above. Returns y (M, N) in x's dtype. Raises for other shapes or dtypes.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "int4_linear: x must be a contiguous (M, K) float32 or bfloat16 tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "int4_linear: x must be a contiguous (M, K) float32, bfloat16 or float16 tensor");
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 128 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "int4_linear: codes must be a contiguous (N / 8, K / 32, 128) uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), G = codes.size(1), N = NB * kRows;
@@ -167,8 +177,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   for (int64_t m = 0; m < M; ++m) {
     if (x.scalar_type() == at::kFloat)
       quantise_row(x.data_ptr<float>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-    else
+    else if (x.scalar_type() == at::kBFloat16)
       quantise_row(x.data_ptr<at::BFloat16>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
+    else
+      quantise_row(x.data_ptr<at::Half>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* C = codes.data_ptr<uint8_t>();
@@ -189,7 +201,8 @@ TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("int4_linear", &sfcl::int4_linear); }
 // Shapes only, for torch.compile's fake tensors: (M, N) in x's dtype.
 TORCH_LIBRARY_IMPL(sfcl, Meta, m) {
   m.impl("int4_linear", [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
-    TORCH_CHECK(x.dim() == 2 && codes.dim() == 3, "int4_linear: x (M, K), codes (N / 8, K / 32, 128)");
+    TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && x.sym_size(1) == codes.sym_size(1) * 32,
+                "int4_linear: x (M, K), codes (N / 8, K / 32, 128)");
     return at::empty_symint({x.sym_size(0), codes.sym_size(0) * 8}, x.options());
   });
 }
