@@ -37,6 +37,12 @@ def _clustered(n, d, n_centres=300, noise=0.35, seed=0):
                                          + noise * torch.randn(n, d, generator=g) / d ** 0.5, dim=-1)
 
 
+def _near(lib, n: int, noise: float, g: torch.Generator) -> torch.Tensor:
+    """n queries (n, D) float32: random library vectors plus Gaussian noise of norm ~``noise``."""
+    q = lib.vectors[torch.randint(0, lib.n_anchors, (n,), generator=g)].float()
+    return q + noise * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """A library just above IVF_MIN_ANCHORS (IVF-searched with approximate=True) and its exact index."""
@@ -250,9 +256,7 @@ def test_native_pass_equals_the_torch_pass(big, kernel):
     lib, _ = big
     ivf = AnchorIndex(lib, approximate=True, native=True)
     c = ivf.cells
-    g = torch.Generator().manual_seed(5)
-    q = lib.vectors[torch.randint(0, lib.n_anchors, (64,), generator=g)].float()
-    q = q + 0.3 * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+    q = _near(lib, 64, 0.3, torch.Generator().manual_seed(5))
     q[3] = float("nan")
     q[7, 0] = float("inf")
     for k in (1, 3, 10):
@@ -274,8 +278,7 @@ def test_native_pass_confidences_are_the_snapshot_rule(big, kernel):
     ivf = AnchorIndex(lib, approximate=True, native=True)
     c = ivf.cells
     g = torch.Generator().manual_seed(11)
-    q = lib.vectors[torch.randint(0, lib.n_anchors, (32,), generator=g)].float()
-    q = q + 0.5 * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+    q = _near(lib, 32, 0.5, g)
     q[5] = float("nan")
     w = torch.rand(lib.n_anchors, generator=g) * 1.5  # above 1 too: the rule clips at 1
     lam = torch.rand(lib.n_anchors, generator=g) * 20
@@ -313,9 +316,7 @@ def test_grouped_cells_recall_and_the_two_passes_agree(grouped, kernel):
     c = ivf.cells
     assert c.ngroups == round(c.nlist ** 0.5) and ivf.group_probe == IVF_GROUP_PROBE
     assert c.group_offsets[0] == 0 and c.group_offsets[-1] == c.nlist and (c.group_offsets.diff() >= 0).all()
-    g = torch.Generator().manual_seed(4)
-    q = lib.vectors[torch.randint(0, lib.n_anchors, (200,), generator=g)].float()
-    q = q + 0.3 * torch.randn(q.shape, generator=g) / q.shape[1] ** 0.5
+    q = _near(lib, 200, 0.3, torch.Generator().manual_seed(4))
     _, i_ref = exact.search(q, 3)
     _, i = ivf.search(q, 3)
     assert np.mean([len(set(a) & set(b)) / 3 for a, b in zip(i.tolist(), i_ref.tolist())]) >= 0.95

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "sfcl_kernels.h"
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -16,22 +18,6 @@
 #include <vector>
 
 namespace sfcl {
-// anchor_search.cpp
-void anchor_search_into(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
-    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
-    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
-    int64_t group_probe, float* S, int64_t* I, float* F);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
-    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
-    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
-    int64_t group_probe);
-
 // anchor_search with the results as Python lists (scores, ids, confidences: B lists of k) and
 // whether some row came back short (an id -1): no tensor is created (anchor_search.cpp's header).
 inline pybind11::tuple anchor_lookup(
