@@ -349,13 +349,14 @@ class QuantLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, K)
         path = self.path(x2.shape[0])
         if path == "packed":
-            xk = x2.to(KERNEL_DTYPE).contiguous()
-            if self.mode == "int8":
-                y = int8_mm(xk, self.qweight, self.scales)  # (M, N)
-            elif self.kernel == "sfcl":  # int8 activations from x as it is (float32 or bf16)
-                y = int4_mm(x2.contiguous(), self.q4codes, self.q4sz)
+            if self.kernel == "sfcl":  # int8 activations from x as it is (float32, bf16 or fp16): no bf16 cast
+                y = int4_mm(x2.contiguous(), self.q4codes, self.q4sz)  # (M, N)
             else:
-                y = torch._weight_int4pack_mm_for_cpu(xk, self.qweight, INT4_GROUP, self.scales_and_zeros)
+                xk = x2.to(KERNEL_DTYPE).contiguous()  # torch's packed kernels (and SFCL's int8 GEMV) take bf16
+                if self.mode == "int8":
+                    y = int8_mm(xk, self.qweight, self.scales)  # (M, N)
+                else:
+                    y = torch._weight_int4pack_mm_for_cpu(xk, self.qweight, INT4_GROUP, self.scales_and_zeros)
             y = y.to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias

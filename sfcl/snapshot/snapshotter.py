@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from sfcl.library.index import AnchorIndex
