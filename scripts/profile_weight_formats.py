@@ -2,7 +2,7 @@
 scheduler): which format ``sfcl.model.hardware.choose_weight_quant`` should pick on this CPU.
 
     python scripts/profile_weight_formats.py [--dtype auto] [--batches 1,4,16,32] [--prefill 256]
-        [--formats none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16] [--threads 1] [--reps 12] [--split 4]
+        [--formats none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16] [--threads 1] [--reps 12] [--split 4] [--max-rows 6] [--head-max-rows 3] [--kernels]
 
 A format is ``MODE[+DENSE][/HEAD]`` for ``sfcl.model.quant.quantize_weights(model, MODE, dense=DENSE,
 lm_head=HEAD)``: ``int4+fp16/fp16`` = int4 packed kernels for decode batches of <= max_rows rows,
@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="largest batch on the packed int8 / int4 kernels (default: sfcl.model.quant's per mode)")
+    ap.add_argument("--head-max-rows", type=int, default=None, help="the same for a quantized lm_head (default: --max-rows)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="SFCL's fused decode kernels on, as sfcl serve runs them (decode_kernel.enable): "
+                         "decode-only steps whose projections decode_layers takes run in one C++ call")
     a = ap.parse_args(argv)
 
     from sfcl.model.compiled import dummy_decode_step
@@ -49,13 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     models = {}
     for spec in a.formats.split(","):
         mode, dense, head = parse_weight_format(spec)
-        models[spec] = quantize_weights(copy.deepcopy(lm.model), mode, dense=dense, lm_head=head)
+        models[spec] = quantize_weights(copy.deepcopy(lm.model), mode, a.max_rows, dense=dense, lm_head=head,
+                                         head_max_rows=a.head_max_rows)
     del lm.model
     batches = [int(b) for b in a.batches.split(",") if b]
     dtype = next(iter(models.values())).embed_tokens.weight.dtype
     rows = max(batches + [1, 16 + a.split])
     kv = KVCache(lm.args, rows, a.length + a.prefill + 8, dtype)
     kv.ensure_initialized(rows, a.length)
+    if a.kernels:
+        from sfcl.model import decode_kernel
+        why = decode_kernel.enable(kv, lm.args)
+        if why:
+            print(f"fused kernels off: {why}", file=sys.stderr)
 
     def decode(model, B):
         ids = torch.zeros(1, B, dtype=torch.long)

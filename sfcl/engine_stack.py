@@ -255,7 +255,8 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
         tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}")
         wq = resolve_weight_format(mcfg.weight_quant, dtype, mcfg.device)
-        quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
+        quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
+                         head_max_rows=wq.head_max_rows)
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

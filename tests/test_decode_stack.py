@@ -59,19 +59,24 @@ def _both_ways(model, args, dtype, prompts, next_ids, tap):
     return out
 
 
-@pytest.mark.parametrize("weights", ["none", "int4/torch", "int4/sfcl", "int8"])
-@pytest.mark.parametrize("B", [1, 3, 8])  # 8 > max_rows: the dense copies of the quantized weights
+@pytest.mark.parametrize("weights, B", [
+    (w, b) for w in ["none", "int4/torch", "int4/sfcl", "int8"] for b in [1, 3, 8]  # 8 > max_rows: the dense copies
+] + [("int4/sfcl@32", 12)])  # the AVX2 default's cut: 12 rows on SFCL's int4 kernel (more rows than its 8 registers)
 def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B, monkeypatch):
     """Same logits, tap hidden state, snapshot-layer weights and K/V writes as the Python forward,
     on the bundled model over real prompts: bit for bit in float32 (also where the packed kernels
     round activations to bf16), to rounding in the CPU's dtype where that is bf16. int4 with either
-    int4 GEMV (``quant.int4_kernel``: torch's, or SFCL's int4 x int8)."""
+    int4 GEMV (``quant.int4_kernel``: torch's, or SFCL's int4 x int8); ``@N``: max_rows N."""
+    weights, _, cut = weights.partition("@")
     mode, _, int4_kernel = weights.partition("/")
     if int4_kernel:
         monkeypatch.setenv("SFCL_INT4_KERNEL", int4_kernel)
-    for m in {id(lm): lm, id(lm_fp32): lm_fp32}.values():
+    models = [lm_fp32] if cut else {id(lm): lm, id(lm_fp32): lm_fp32}.values()  # @N: the float32 model of AVX2 CPUs
+    for m in models:
         model = copy.deepcopy(m.model)
-        quantize_weights(model, mode)
+        quantize_weights(model, mode, int(cut) if cut else None)
+        if cut:
+            assert decode_stack.layer_args(model, B).kinds[:4] == [decode_stack.KIND_INT4_Q8] * 4
         if int4_kernel:
             assert all(q.kernel == int4_kernel for q in model.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
         dtype = next(model.parameters()).dtype

@@ -307,6 +307,35 @@ def test_weight_format_choice_by_machine_kind(monkeypatch):
         choose_weight_format("int3", torch.float32)
 
 
+def test_weight_format_choice_follows_the_int4_kernel_that_runs(monkeypatch):
+    """A candidate measured with one int4 kernel is chosen only where that kernel runs; its
+    lm_head cut travels with it."""
+    from sfcl.model import hardware
+    from sfcl.model.hardware import WeightFormat, choose_weight_format
+
+    fake = {"fp32_fbgemm": [WeightFormat("int4", "fp16", "int8", 32, 0.006, "sfcl kernel", int4_kernel="sfcl",
+                                         head_max_rows=3),
+                            WeightFormat("int4", "fp16", "int8", 3, 0.004, "torch kernel")]}
+    monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
+    monkeypatch.setattr("sfcl.model.quant.fp16_gemm_available", lambda: True)
+    monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "sfcl")
+    c = choose_weight_format("auto", torch.float32)
+    assert (c.max_rows, c.head_max_rows) == (32, 3) and "sfcl kernel" in c.reason
+    assert choose_weight_format("int4", torch.float32).max_rows == 32
+    monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "torch")
+    c = choose_weight_format("auto", torch.float32)
+    assert (c.max_rows, c.head_max_rows) == (3, None) and "torch kernel" in c.reason
+
+
+def test_lm_head_takes_its_own_packed_kernel_cut(lm):
+    m = quantize_weights(copy.deepcopy(lm.model), "int4", max_rows=32, lm_head="int8", head_max_rows=3)
+    assert m.lm_head.max_rows == 3 and m.layers[0].mlp.down_proj.max_rows == 32
+    assert m.lm_head.path(4) == "dense" and m.layers[0].mlp.down_proj.path(16) == "packed"
+    assert quantize_weights(copy.deepcopy(lm.model), "int8", max_rows=5).lm_head.max_rows == 5  # default: max_rows
+    with pytest.raises(ValueError, match="head_max_rows"):
+        quantize_weights(copy.deepcopy(lm.model), "int8", head_max_rows=-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode, dense", [("int4", "keep"), ("int8", "keep"), ("int4", "fp16")])
 def test_dense_path_multiplies_by_the_packed_kernels_weights(dtype, mode, dense):

@@ -26,7 +26,7 @@ def add_engine_flags(p: argparse.ArgumentParser, with_anchors: bool = True) -> N
                    help="kNN-LM interpolation weight at snapshot confidence 1 for the knn arms")
     p.add_argument("--weight-quant", default="none", choices=["auto", "none", "fp16", "int8", "int4"],
                    help="weight format of the linear layers (see `sfcl serve --help`). Default none: `auto` picks "
-                        "kernels by batch size (int4 for 1-3 rows on AVX2), so an item's greedy text would change "
+                        "kernels by batch size (int4 for 1-32 rows on AVX2), so an item's greedy text would change "
                         "with how many other arms share its batch, and arms would differ for a reason that is not "
                         "the arm")
     p.add_argument("--enforce-eager", action="store_true",

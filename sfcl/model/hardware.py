@@ -191,6 +191,7 @@ class WeightChoice:
     lm_head: str | None  # none | fp16 | int8 | int4 (None: quant.DEFAULT_LM_HEAD[mode])
     max_rows: int | None  # largest batch (rows) on the packed int8 / int4 kernels (None: quant's default)
     reason: str  # one line for logs
+    head_max_rows: int | None = None  # the same for a quantized lm_head (None: max_rows)
 
     @property
     def label(self) -> str:
@@ -217,18 +218,18 @@ def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu"
         return WeightChoice("none", "keep", None, None, f"device {device}: weights as loaded")
     kind = "fp32_fbgemm" if dtype == torch.float32 and fp16_gemm_available() else \
         "fp32" if dtype == torch.float32 else "bf16" if dtype == torch.bfloat16 else "other"
-    formats = WEIGHT_FORMATS.get(kind, [])
+    formats = [f for f in WEIGHT_FORMATS.get(kind, []) if f.applies()]
     if requested == "auto":
         for f in formats:
             if f.ppl_change_ci_hi is not None and f.ppl_change_ci_hi <= QUALITY_BAR:
-                return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"{kind}: {f.why}")
+                return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"{kind}: {f.why}", f.head_max_rows)
         return WeightChoice("none", "keep", None, None, f"{kind}: no measured faster format; weights as loaded")
     if requested == "none":
         return WeightChoice("none", "keep", None, None, "requested")
     same = [f for f in formats if f.mode == requested]
     if same:
         f = same[0]
-        return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"requested; {kind}: {f.why}")
+        return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"requested; {kind}: {f.why}", f.head_max_rows)
     dense = "fp16" if kind == "fp32_fbgemm" else "keep"
     return WeightChoice(requested, dense, None, None, f"requested; {kind}: dense path {dense}")
 
@@ -243,6 +244,15 @@ class WeightFormat:
     max_rows: int | None
     ppl_change_ci_hi: float | None  # upper end of the 95% CI of the NDA perplexity change (None: not measured)
     why: str  # the measurement, with the command that reproduces it
+    int4_kernel: str | None = None  # the candidate applies only where quant.int4_kernel() is this (None: any)
+    head_max_rows: int | None = None  # largest batch on a quantized lm_head's packed kernel (None: max_rows)
+
+    def applies(self) -> bool:
+        """Whether this machine runs the int4 kernel the candidate was measured with."""
+        if self.int4_kernel is None:
+            return True
+        from sfcl.model.quant import int4_kernel
+        return int4_kernel() == self.int4_kernel
 
 
 # Candidates per machine kind, fastest first (``choose_weight_format`` takes the first within
@@ -256,7 +266,16 @@ class WeightFormat:
 # - engine step (`python scripts/profile_weight_formats.py`), against fp32 weights: fp16 0.66 /
 #   0.41 / 0.61x at batch 1 / 4 / 16 and 0.82x for a 256-token prompt chunk; int4 + fp16 above 3
 #   rows 0.56 / 0.42 / 0.58 / 0.82x; int8 + fp16 0.68 / 0.47 / 0.61 / 0.81x. int4 against fp16 alone:
-#   0.84 / 0.83 / 0.93 / 0.98 / 1.21x at 1 / 2 / 3 / 4 / 6 rows, hence max_rows 3.
+#   0.84 / 0.83 / 0.93 / 0.98 / 1.21x at 1 / 2 / 3 / 4 / 6 rows, hence max_rows 3 with torch's int4 kernel.
+# - With SFCL's int4 x int8 kernel (quant.int4_kernel() "sfcl", the default below AVX-512), measured
+#   2026-12-05 on AVX2 code paths of an Intel Xeon (scripts/avx2_emulated_bench.sh's environment; an
+#   estimate: FBGEMM still ran AVX-512 code there, which favours the fp16 side), 2 threads, the fused
+#   decode layers on (`python scripts/profile_weight_formats.py --formats fp16,int4+fp16/int8,none
+#   --batches 1,4,8,16,24,32 --prefill 0 --threads 2 --max-rows 32 --kernels`): int4 blocks against
+#   fp16 weights 0.44 / 0.56 / 0.64 / 0.74-0.76 / 0.88 / 0.93x at 1 / 4 / 8 / 16 / 24 / 32 rows (fp32
+#   weights 1.32-1.35x at 16 / 32); an int8 lm_head above 3 rows was slower than the fp16 one here
+#   (not checked on a real AVX2 CPU, so it keeps the measured cut of 3). Perplexity +0.35% [+0.13,
+#   +0.60] (docs/benchmarks.md, fifteenth session).
 #
 # bf16, measured 2026-12-04 on an AMD EPYC with AVX-512 BF16 (2 cores, 1 thread; quiet machine):
 # - int4 blocks (+ int8 lm_head) against bf16 weights: NDA perplexity +0.07% [95% CI -0.10, +0.23]
@@ -275,6 +294,12 @@ WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
                      "start-up)"),
     ],
     "fp32_fbgemm": [
+        WeightFormat("int4", "fp16", "int8", 32, 0.0060,
+                     "SFCL's int4 x int8 kernels for 1-32-row decode batches (the int8 lm_head for 1-3 rows), FBGEMM "
+                     "fp16 weights above and for prompts (step 0.44x / 0.65x of fp16 weights at batch 1 / 16); NDA "
+                     "perplexity +0.35% [95% CI +0.13, +0.60] (recorded on AVX2 code paths of an Intel Xeon with "
+                     "scripts/weight_quant_quality.py and scripts/profile_weight_formats.py --kernels, not measured "
+                     "at start-up)", int4_kernel="sfcl", head_max_rows=3),
         WeightFormat("int4", "fp16", "int8", 3, 0.0038,
                      "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
                      "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38] (recorded on an AVX2-only AMD EPYC with "

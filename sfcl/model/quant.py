@@ -375,7 +375,7 @@ class QuantLinear(nn.Module):
 
 
 def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
-                     lm_head: str | None = None) -> nn.Module:
+                     lm_head: str | None = None, head_max_rows: int | None = None) -> nn.Module:
     """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` / ``Fp16Linear`` in place;
     returns ``model``.
 
@@ -386,7 +386,8 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     lm_head: ``none`` | ``fp16`` | ``int8`` | ``int4`` (default ``DEFAULT_LM_HEAD[mode]``: int8
     for both integer modes, see below; fp16 for fp16). The embedding is not touched (a tied
     ``lm_head`` quantizes a copy of its values; its dense weight, like every dense weight, is the
-    packed kernel's weight, so it no longer shares the embedding's memory).
+    packed kernel's weight, so it no longer shares the embedding's memory). head_max_rows: max_rows
+    of a quantized ``lm_head`` (default: max_rows).
 
     Raises ValueError for an unknown mode / dense value, a model not on the CPU, fp16 without
     FBGEMM (``fp16_gemm_available``), or a layer whose in_features is not a multiple of 32 (int4)
@@ -409,22 +410,23 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
         raise ValueError("fp16 weights need FBGEMM's fp16 GEMM, which this torch build lacks (x86 builds have it); "
                          "use --weight-quant int8, int4 or none")
     rows = DEFAULT_MAX_ROWS.get(mode, 0) if max_rows is None else int(max_rows)
-    if rows < 0:
-        raise ValueError("max_rows must be >= 0")
+    head_rows = rows if head_max_rows is None else int(head_max_rows)
+    if min(rows, head_rows) < 0:
+        raise ValueError("max_rows and head_max_rows must be >= 0")
 
-    def swap(lin: nn.Linear, kind: str) -> nn.Module:
+    def swap(lin: nn.Linear, kind: str, cut: int) -> nn.Module:
         if kind == "fp16":
             return Fp16Linear(lin.weight.data, lin.bias)
-        return QuantLinear.from_linear(lin, kind, rows, dense)
+        return QuantLinear.from_linear(lin, kind, cut, dense)
 
     for blk in model.layers:
         for parent in (blk.self_attn, blk.mlp):
             for name in PROJECTIONS:
                 lin = getattr(parent, name, None)
                 if isinstance(lin, nn.Linear):
-                    setattr(parent, name, swap(lin, mode))
+                    setattr(parent, name, swap(lin, mode, rows))
     if head != "none" and isinstance(model.lm_head, nn.Linear):
-        model.lm_head = swap(model.lm_head, head)
+        model.lm_head = swap(model.lm_head, head, head_rows)
     model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
     return model
 
