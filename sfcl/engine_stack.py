@@ -246,6 +246,8 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
     try:
         torch.set_num_threads(prefill_threads)  # loading, and a first start's anchor build, are bulk work
         lm = load_model(mcfg.model, dtype=mcfg.dtype, device=mcfg.device, cache_dir=scfg.cache_dir)
+        if torch.device(mcfg.device).type == "cpu":  # built into --cache-dir before anything else loads them
+            decode_kernel.load(cache_dir=scfg.cache_dir)  # (the library build's search, the int4 kernel choice)
         lib = load_anchors(lm, scfg, progress)
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)

@@ -41,3 +41,24 @@ def test_a_failed_first_start_build_is_reported_once(lm, monkeypatch, tmp_path):
     assert calls == [1]  # no retry rebuilds
     scfg = SnapshotConfig(anchor_retry=3, anchor_optional=True, cache_dir=tmp_path)
     assert stack.load_anchors(lm, scfg, False) is None  # --anchor-optional: start without snapshots
+
+
+def test_build_engine_loads_the_kernels_from_its_cache_dir_before_the_library(monkeypatch, tmp_path):
+    """The native kernels come from (or are built into) ``--cache-dir`` before the library loads or
+    builds and before the weight format is chosen: both load the kernels too, with no cache dir of
+    their own (the default one, ~/.cache/sfcl, would then get the build)."""
+    import sfcl.engine_stack as stack
+    from sfcl.config import EngineConfig, ModelConfig
+
+    calls = []
+    monkeypatch.setattr(stack, "load_model", lambda *a, **k: object())
+    monkeypatch.setattr(stack.decode_kernel, "load", lambda verbose=True, cache_dir=None: calls.append(cache_dir) or True)
+
+    def stop(*a, **k):
+        calls.append("anchors")
+        raise AnchorLibraryError("stop here")
+
+    monkeypatch.setattr(stack, "load_anchors", stop)
+    with pytest.raises(AnchorLibraryError, match="stop here"):
+        stack.build_engine(ModelConfig(device="cpu"), EngineConfig(), SnapshotConfig(cache_dir=tmp_path), progress=False)
+    assert calls == [tmp_path, "anchors"]
