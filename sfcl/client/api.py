@@ -144,6 +144,26 @@ class _Base:
                           "regeneration repeats the same text", SFCLStreamWarning, stacklevel=3)
 
     @staticmethod
+    def _stop_attempt(att: Attempt, ev: Event, policy: RetryPolicy | None, retries_left: bool) -> bool:
+        """Record ``ev`` on ``att`` if it is a snapshot that violates ``policy``; True when the
+        attempt should stop reading (``abort_early`` and another attempt may follow)."""
+        if isinstance(ev, Snapshot) and policy is not None and policy.violates(ev):
+            att.violations.append(ev)
+            if policy.abort_early and retries_left:
+                att.aborted = True
+                return True
+        return False
+
+    @staticmethod
+    def _attempt_done(attempts: list[Attempt], att: Attempt) -> bool:
+        """Append the finished ``att``; True when no further attempt is needed (no violation).
+        Raises ``SFCLAPIError`` when the stream ended with an error event."""
+        attempts.append(att)
+        if att.error is not None:
+            raise _stream_error(att.error, attempts)
+        return not att.violations
+
+    @staticmethod
     def _attempt_body(route: Route, body: dict, n: int, policy: RetryPolicy | None) -> dict:
         b = dict(body)
         if n and policy is not None:
@@ -278,15 +298,9 @@ class SFCLClient(_Base):
             with EventStream(self._events(route, b)) as stream:
                 stream.attempt = att
                 for ev in stream:
-                    if isinstance(ev, Snapshot) and retry is not None and retry.violates(ev):
-                        att.violations.append(ev)
-                        if retry.abort_early and left:
-                            att.aborted = True
-                            break
-            attempts.append(att)
-            if att.error is not None:
-                raise _stream_error(att.error, attempts)
-            if not att.violations:
+                    if self._stop_attempt(att, ev, retry, left):
+                        break
+            if self._attempt_done(attempts, att):
                 break
         return MessageResult.from_attempts(attempts)
 
@@ -365,15 +379,9 @@ class AsyncSFCLClient(_Base):
             async with AsyncEventStream(self._events(route, b)) as stream:
                 stream.attempt = att
                 async for ev in stream:
-                    if isinstance(ev, Snapshot) and retry is not None and retry.violates(ev):
-                        att.violations.append(ev)
-                        if retry.abort_early and left:
-                            att.aborted = True
-                            break
-            attempts.append(att)
-            if att.error is not None:
-                raise _stream_error(att.error, attempts)
-            if not att.violations:
+                    if self._stop_attempt(att, ev, retry, left):
+                        break
+            if self._attempt_done(attempts, att):
                 break
         return MessageResult.from_attempts(attempts)
 

@@ -27,7 +27,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SteerValue
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import named_event
 
@@ -48,7 +48,7 @@ class InputMessage(BaseModel):
     content: Union[str, list[TextBlock]]
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(SFCLFields):  # + snapshot_mode, steer, ignore_eos
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[InputMessage]
@@ -59,13 +59,6 @@ class MessagesRequest(BaseModel):
     stop_sequences: Optional[list[str]] = None
     stream: JsonBool = False
     metadata: Optional[dict[str, Any]] = None
-    snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: SteerValue = Field(
-        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
-        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
-        "mixture) or a '+' combination; header x-sfcl-steer wins")
-    ignore_eos: JsonBool = Field(False, description="keep generating past end-of-turn tokens up to the token "
-                             "limit (benchmarks; as in vLLM)")
 
 
 def _text(content: Union[str, list[TextBlock], None]) -> str:

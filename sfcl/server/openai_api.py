@@ -25,7 +25,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SteerValue
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import DONE, comment_event, data_event
 
@@ -52,7 +52,7 @@ class StreamOptions(BaseModel):
     include_usage: JsonBool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SFCLFields):  # + snapshot_mode, steer, ignore_eos
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[ChatMessage]
@@ -66,13 +66,6 @@ class ChatCompletionRequest(BaseModel):
     n: Optional[JsonInt] = None
     seed: Optional[JsonInt] = None
     user: Optional[str] = None  # accepted and ignored
-    snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
-    steer: SteerValue = Field(
-        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
-        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
-        "mixture) or a '+' combination; header x-sfcl-steer wins")
-    ignore_eos: JsonBool = Field(False, description="keep generating past end-of-turn tokens up to the token "
-                             "limit (benchmarks; as in vLLM)")
 
 
 def to_engine_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import anyio
 from fastapi import Request
-from pydantic import BaseModel, BeforeValidator, Strict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
 
 from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
@@ -50,6 +50,20 @@ SteerValue = Annotated[Union[bool, str, list[str]], BeforeValidator(_steer_shape
 JsonInt = Annotated[int, Strict()]
 JsonFloat = Annotated[float, Strict()]
 JsonBool = Annotated[bool, Strict()]
+
+
+class SFCLFields(BaseModel):
+    """SFCL's own request fields, the same in both APIs' request models (which extend this one);
+    ``resolve_steer`` and the snapshot-mode rule above read them."""
+
+    model_config = ConfigDict(extra="forbid")
+    snapshot_mode: Optional[Literal["off", "triggered", "always"]] = None
+    steer: SteerValue = Field(
+        False, description="grounded correction when a snapshot fires: true (the default mechanism), false, "
+        "'source' (source-constrained entities), 'cad' (adaptive context-aware decoding), 'knn' (library-anchor "
+        "mixture) or a '+' combination; header x-sfcl-steer wins")
+    ignore_eos: JsonBool = Field(False, description="keep generating past end-of-turn tokens up to the token "
+                             "limit (benchmarks; as in vLLM)")
 
 
 def new_id(prefix: str) -> str:
