@@ -321,6 +321,8 @@ def test_weight_format_choice_follows_the_int4_kernel_that_runs(monkeypatch):
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "sfcl")
     c = choose_weight_format("auto", torch.float32)
     assert (c.max_rows, c.head_max_rows) == (32, 3) and "sfcl kernel" in c.reason
+    assert c.summary(torch.float32) == ("int4 block projections for decode batches of 1-32 rows, FBGEMM fp16 weights "
+                                        "above and for prompt tokens; int8 lm_head for 1-3 rows")
     assert choose_weight_format("int4", torch.float32).max_rows == 32
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "torch")
     c = choose_weight_format("auto", torch.float32)

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from sfcl.anchors.corpus import Document, corpus_hash
 from sfcl.anchors.kmeans import two_level_kmeans
-from sfcl.anchors.model_pass import flops_per_token, gemm_rate, run_windows
+from sfcl.anchors.model_pass import RATE_SHAPE, flops_per_token, gemm_rate, run_windows
 from sfcl.library.store import save_library
 from sfcl.model import decode_kernel
 from sfcl.model.kv_cache import KVCache
@@ -193,7 +193,8 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     tflop = flops_per_token(lm.args, mean_attended) * tokens / 1e12
     st = PassStats(tokens=tokens, windows=len(windows), tflop=tflop, gemm_gflops=rate, floor_s=tflop * 1e3 / rate)
     _say(f"model pass: {tokens:,} tokens in {len(windows)} windows, {tflop:.1f} TFLOP; GEMM {rate:.1f} GFLOP/s "
-         f"({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads) -> floor {st.floor_s:.0f} s", progress)
+         f"({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, a "
+         + "x".join(map(str, RATE_SHAPE)) + f" GEMM) -> floor {st.floor_s:.0f} s", progress)
     H, K, KP, DOC, SS, SE, SUR, D3, NA = [], [], [], [], [], [], [], [], []
     t0 = time.perf_counter()
     with tqdm(total=tokens, desc="anchors: model pass", unit="tok", unit_scale=True, disable=not progress) as bar:

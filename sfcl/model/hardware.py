@@ -146,9 +146,10 @@ def _choose(device_type: str) -> DtypeChoice:
     what = {True: "native bf16 (" + "/".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) + ")",
             False: "no native bf16", None: "CPU flags unknown"}[native]
     cpu = f"{platform.machine()} {cap}, {what}"
+    probe = "GFLOP/s (1 thread, a {}x{}x{} decode-shape GEMM)".format(*PROBE_SHAPE)
     if native is not False and bf16 >= fp32:
-        return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} >= fp32 {fp32:.1f} GFLOP/s", rates, native)
-    return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} GFLOP/s", rates, native)
+        return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} >= fp32 {fp32:.1f} {probe}", rates, native)
+    return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} {probe}", rates, native)
 
 
 _logged: set[str] = set()
@@ -200,6 +201,23 @@ class WeightChoice:
             return "none"
         dense = f"+{self.dense}" if self.mode in ("int8", "int4") and self.dense != "keep" else ""
         return f"{self.mode}{dense}" + (f"/{self.lm_head}" if self.lm_head else "")
+
+    def summary(self, dtype: torch.dtype) -> str:
+        """The format in words, for the log line: which kernels take which batches."""
+        from sfcl.model.quant import DEFAULT_LM_HEAD, DEFAULT_MAX_ROWS
+
+        if self.mode == "none":
+            return "weights as loaded"
+        if self.mode == "fp16":
+            return "FBGEMM fp16 weights"
+        rows = DEFAULT_MAX_ROWS[self.mode] if self.max_rows is None else self.max_rows
+        head_rows = rows if self.head_max_rows is None else self.head_max_rows
+        above = {"keep": f"{str(dtype).removeprefix('torch.')} weights", "fp16": "FBGEMM fp16 weights",
+                 "dequant": "weights dequantized per call"}[self.dense]
+        head = self.lm_head or DEFAULT_LM_HEAD[self.mode]
+        head_part = f"{head} lm_head" + (f" for 1-{head_rows} rows" if head in ("int8", "int4") else "")
+        return (f"{self.mode} block projections for decode batches of 1-{rows} rows, {above} above and for "
+                f"prompt tokens; {head_part}")
 
 
 def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu") -> WeightChoice:
@@ -312,10 +330,11 @@ _logged_weights: set[tuple] = set()
 
 def resolve_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu", log: bool = True) -> WeightChoice:
     """``choose_weight_format``, printed once per process and setting as
-    ``[WEIGHTS] auto -> int4+fp16/fp16: ...`` on stderr."""
+    ``[WEIGHTS] auto -> int4+fp16/int8 (the format in words); why: ...`` on stderr."""
     choice = choose_weight_format(requested, dtype, device)
     key = (requested, dtype, torch.device(device).type)
     if log and key not in _logged_weights:
         _logged_weights.add(key)
-        print(f"[WEIGHTS] {requested} -> {choice.label}: {choice.reason}", file=sys.stderr, flush=True)
+        print(f"[WEIGHTS] {requested} -> {choice.label} ({choice.summary(dtype)}); why: {choice.reason}",
+              file=sys.stderr, flush=True)
     return choice
