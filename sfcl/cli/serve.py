@@ -113,8 +113,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGHUP, reload_on_sighup)
     # Graceful shutdown: on SIGTERM/SIGINT uvicorn stops accepting and waits for open streams;
-    # after --shutdown-timeout the engine ends whatever still runs with an overloaded_error event
-    # (a well-formed end that says the answer was cut, so clients retry), and the process exits 0.
+    # after --shutdown-timeout, or at a second signal, the engine ends whatever still runs with an
+    # overloaded_error event (a well-formed end that says the answer was cut, so clients retry), and
+    # the process exits 0. A third signal is uvicorn's forced exit (tasks cancelled mid-stream).
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                                            timeout_graceful_shutdown=a.shutdown_timeout + 5))
     uvicorn_exit = server.handle_exit
@@ -130,14 +131,25 @@ def cmd_serve(a: argparse.Namespace) -> int:
         t2.daemon = True
         t2.start()
 
+    signals: list[threading.Timer] = []  # one entry per shutdown signal; the first holds the deadline timer
+
     def handle_exit(sig, frame) -> None:
-        if not server.should_exit:
-            print(f"sfcl: shutting down; open streams get {a.shutdown_timeout:g} s to finish", file=sys.stderr,
-                  flush=True)
+        if not signals:
+            print(f"sfcl: shutting down; open streams get {a.shutdown_timeout:g} s to finish (a second signal ends "
+                  f"them now)", file=sys.stderr, flush=True)
             t = threading.Timer(a.shutdown_timeout, past_deadline)
             t.daemon = True
             t.start()
-        uvicorn_exit(sig, frame)
+            signals.append(t)
+            uvicorn_exit(sig, frame)
+        elif len(signals) == 1:  # Ctrl-C again: end the streams now, each with its error event, and exit
+            print("sfcl: second signal: ending open streams now (a third one forces the exit)", file=sys.stderr,
+                  flush=True)
+            signals[0].cancel()
+            signals.append(signals[0])
+            past_deadline()
+        else:  # uvicorn's forced exit: open tasks are cancelled
+            uvicorn_exit(sig, frame)
 
     server.handle_exit = handle_exit
     # uvicorn re-raises the captured signal after its graceful shutdown, into whatever handler was

@@ -149,7 +149,8 @@ def _choose(device_type: str) -> DtypeChoice:
     probe = "GFLOP/s (1 thread, a {}x{}x{} decode-shape GEMM)".format(*PROBE_SHAPE)
     if native is not False and bf16 >= fp32:
         return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} >= fp32 {fp32:.1f} {probe}", rates, native)
-    return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} {probe}", rates, native)
+    slower = ": bf16 slower here despite the flags" if native else ""
+    return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} {probe}{slower}", rates, native)
 
 
 _logged: set[str] = set()

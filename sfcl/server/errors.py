@@ -176,6 +176,8 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     msg = str(best.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if msg.startswith(f"{param}: "):  # a validator that names the field itself (steer)
+        return msg, param
     return f"{param}: {msg}", param
 
 
