@@ -110,11 +110,13 @@ inline __m256 bf16x8(const uint16_t* p) {
 void row_blocks(const uint8_t* codes, const uint16_t* sz, const int8_t* x8, const float* d, const int32_t* xs,
                 const float* fs, int64_t M, int64_t G, int64_t N, float* y, int64_t b0, int64_t b1) {
   const int64_t K = G * kGroup;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc_small[8];
+  std::vector<__m256> acc_big(M > 8 ? M : 0);  // once per task, not per block of rows
+  __m256* acc = M > 8 ? acc_big.data() : acc_small;
+#endif
   for (int64_t rb = b0; rb < b1; ++rb) {
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc_small[8];
-    std::vector<__m256> acc_big(M > 8 ? M : 0);
-    __m256* acc = M > 8 ? acc_big.data() : acc_small;
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; ++g) {
