@@ -102,7 +102,7 @@ def test_a_prefilling_sequence_in_the_decode_region_is_swapped_out_via_the_scrat
     s.add(x)
     out = run_step(s)
     assert (y.slot, x.slot) == (0, 1) and [(c.seq.request_id, c.start, c.end) for c in out.prefill] == [
-        ("y", 0, 16), ("x", 0, 2)]
+        ("x", 0, 2), ("y", 0, 16)]  # the short prompt first
     out = s.schedule()  # x decodes and must sit in slot 0, where y's 16 computed positions live
     assert [(m.src, m.dst, m.length) for m in out.moves] == [(0, 2, 16), (1, 0, 2), (2, 1, 16)]
     assert (x.slot, y.slot) == (0, 1) and out.decode == [x] and out.prefill[0].seq is y
@@ -373,3 +373,28 @@ def test_a_knn_request_waits_only_for_an_owner_that_records_context_anchors():
     s.add(Sequence("b", doc + [3], SamplingParams(max_tokens=2)))
     out = s.schedule()  # k computes (and records) the document itself; b waits for a's blocks
     assert {c.seq.request_id for c in out.prefill} == {"a", "k"} and [q.request_id for q in s.waiting] == ["b"]
+
+
+def test_a_short_prompt_admitted_during_a_long_prefill_is_not_held_behind_its_chunks():
+    """Found by a break-it check: 12 short requests sent with an 8,176-token prompt each waited
+    ~30 s, the long prompt's whole prefill, because chunks went oldest first. Prompts that finish
+    within short_prefill_tokens now go first; long prompts among themselves stay oldest first."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16)  # short: 64 // 4 = 16 tokens
+    s = Scheduler(cfg)
+    long_ = Sequence("long", list(range(100, 300)), SamplingParams(max_tokens=4))  # 200 prompt tokens
+    s.add(long_)
+    out = run_step(s)
+    assert [(c.seq.request_id, c.start, c.end) for c in out.prefill] == [("long", 0, 64)]  # alone: the whole budget
+    short, = make_requests(1, prompt_len=10)
+    later = Sequence("long2", list(range(400, 500)), SamplingParams(max_tokens=4))  # 100 tokens: not short
+    s.add(short)
+    s.add(later)
+    out = run_step(s)
+    assert [(c.seq.request_id, c.start, c.end) for c in out.prefill] == [("r0", 0, 10), ("long", 64, 112)]
+    assert [q.request_id for q in out.sampled] == ["r0"]  # its first token in the step it was admitted
+    out = run_step(s)  # r0 decodes; the older long prompt still goes before the younger one
+    assert [q.request_id for q in out.decode] == ["r0"]
+    assert [(c.seq.request_id, c.start, c.end) for c in out.prefill] == [("long", 112, 160)]  # 63 -> 3 blocks
+    assert sum(c.end - c.start for c in out.prefill) + len(out.decode) <= cfg.max_num_batched_tokens
+    with pytest.raises(ValueError, match="short_prefill_tokens"):
+        SchedulerConfig(short_prefill_tokens=-1)

@@ -8,9 +8,12 @@ Policy:
   ones, FCFS among themselves, so their latency SLO can be held separately under load.
 - Continuous batching with chunked prefill (Agrawal et al. 2024, Sarathi-Serve): every step
   decodes all running sequences whose prompt is complete, and spends the rest of a token budget
-  (``max_num_batched_tokens``) on prompt chunks of prefilling sequences, oldest first. A long
-  prompt therefore delays running streams by at most one chunk forward per step instead of one
-  whole-prompt forward. Chunks end on KV-block boundaries except at the prompt's end.
+  (``max_num_batched_tokens``) on prompt chunks of prefilling sequences, oldest first, except that
+  prompts with at most ``short_prefill_tokens`` left go first (vLLM v1 caps a long prefill's share
+  for the same reason, ``long_prefill_token_threshold``): a short request admitted while a long
+  document prefills finishes its prompt in its first step instead of after all of the document's
+  chunks. A long prompt therefore delays running streams by at most one chunk forward per step
+  instead of one whole-prompt forward. Chunks end on KV-block boundaries except at the prompt's end.
 - Prefix caching (``sfcl.engine.block_manager``): on admission the longest cached chain of the
   prompt's full blocks (leaving at least one token to compute) is restored instead of prefilled;
   prompt blocks are saved to the cache as their chunk completes. A waiting request whose next
@@ -192,6 +195,9 @@ class SchedulerConfig:
     max_waiting: int = 256  # bounded waiting queue
     max_num_batched_tokens: int = 512  # tokens per step: decode rows + prompt chunk tokens
     max_prefill_seqs: int = 4  # sequences prefilling at once
+    # a prefilling sequence with at most this many prompt tokens left gets its chunk before older ones
+    # (None: max_num_batched_tokens // 4), so short requests are not queued behind a long prompt's chunks
+    short_prefill_tokens: int | None = None
     block_size: int = 16  # KV block (prefix-cache and INT8-scale granularity), tokens
     prefix_cache_blocks: int = 0  # prefix-cache pool size in blocks (0: prefix caching off)
     priority_tags: tuple[str, ...] = ()  # requests with these tags are admitted before all others
@@ -204,6 +210,8 @@ class SchedulerConfig:
                 raise ValueError(f"{f} must be >= 1")
         if self.prefix_cache_blocks < 0:
             raise ValueError("prefix_cache_blocks must be >= 0")
+        if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
+            raise ValueError("short_prefill_tokens must be >= 0")
         if self.max_num_batched_tokens < self.block_size + self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens must be >= block_size + max_num_seqs "
                              f"({self.block_size + self.max_num_seqs}) so that prefill always progresses")
@@ -312,11 +320,15 @@ class Scheduler:
             if seq.block_table:
                 seq.num_computed = seq.cached_tokens = len(seq.block_table) * bs
                 restores.append(BlockCopy(seq.slot, 0, list(seq.block_table)))
-        # prompt chunks, oldest first, within the step's token budget
+        # prompt chunks within the step's token budget: prompts that finish within short_prefill_tokens
+        # first (a short request admitted while a long prompt prefills is not held for all of that
+        # prompt's chunks), then oldest first
         budget = cfg.max_num_batched_tokens - len(decode)
+        short = cfg.max_num_batched_tokens // 4 if cfg.short_prefill_tokens is None else cfg.short_prefill_tokens
+        first = [q for q in prefilling if len(q.prompt_ids) - q.num_computed <= short] if len(prefilling) > 1 else []
         chunks: list[PrefillChunk] = []
         saves: list[BlockCopy] = []
-        for seq in prefilling:
+        for seq in first + [q for q in prefilling if q not in first]:
             n_prompt = len(seq.prompt_ids)
             # With prefix caching the prompt's tail (after its last full cacheable block) is always
             # its own chunk: a later request restoring the blocks computes that tail in the same
