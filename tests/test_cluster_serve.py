@@ -8,6 +8,7 @@ replica killed mid-run is survived and replaced. Replica counters are read from 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -192,7 +193,24 @@ def test_raw_sse_equals_the_single_servers_snapshot_events_included(cluster, fp3
 
     assert "snapshot_triggered" in got.events
     assert [f for f in got.frames if f["event"] == "snapshot_triggered"][0]["id"] == "0"
-    assert normal(got) == normal(want)
+    assert len(normal(got)) == len(normal(want))
+    for g, w in zip(normal(got), normal(want)):
+        assert same_up_to_rounding(g, w), (g, w)
+
+
+def same_up_to_rounding(a, b) -> bool:
+    """Equal, except floats within 1e-5 relative. Why: on AVX2 code paths (float32 GEMMs) the
+    replica, which has served earlier requests, and a fresh in-process server gave the same tokens,
+    anchors and triggers with logprobs and scores differing in the last bits (-0.97259480 vs
+    -0.97259516), consistently; a different summation order (other GEMM shapes, e.g. after prefix-
+    cache restores) is the likely cause, not pinned down."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_up_to_rounding(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_up_to_rounding(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def affinity_run(url: str, tokenizer) -> tuple[float, list[dict]]:

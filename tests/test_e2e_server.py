@@ -40,9 +40,10 @@ def test_anthropic_sdk_stream_and_raw_sse_snapshot_events(server, nda_question, 
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text.strip() and final.usage.input_tokens > 1000 and final.usage.output_tokens > 0
-    # raw SSE: official order plus snapshot_triggered events with ids and valid anchors
+    # raw SSE: official order plus snapshot_triggered events with ids and valid anchors ("always": whether a
+    # trigger fires in a given greedy answer depends on the CPU's kernels; test_snapshot_modes_... checks that)
     body = {"model": "smollm2-135m-instruct", "max_tokens": 64, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": nda_question}]}
+            "snapshot_mode": "always", "messages": [{"role": "user", "content": nda_question}]}
     with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
         raw = "".join(r.iter_text())
     frames = [f for f in raw.replace("\r\n", "\n").split("\n\n") if f.strip()]
@@ -72,7 +73,7 @@ def test_openai_sdk_stream_with_usage(server, nda_question):
     url, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     stream = client.chat.completions.create(
-        model="smollm2-135m-instruct", max_tokens=48, temperature=0, stream=True,
+        model="smollm2-135m-instruct", max_tokens=48, temperature=0, stream=True, extra_headers={"x-sfcl-snapshot": "always"},
         stream_options={"include_usage": True}, messages=[{"role": "user", "content": nda_question}])
     text, usage, snaps = "", None, 0
     for chunk in stream:
@@ -83,24 +84,36 @@ def test_openai_sdk_stream_with_usage(server, nda_question):
         extra = getattr(chunk, "model_extra", None) or {}
         snaps += "sfcl_snapshot" in extra
     assert text.strip() and usage.completion_tokens > 0 and usage.prompt_tokens > 1000
-    assert snaps > 0
+    assert snaps == usage.completion_tokens  # "always": one snapshot chunk per token
 
 
 def test_snapshot_modes_same_text_and_summary(server, nda_question):
+    """Same text in every mode; "always" looks up every token, "off" none, "triggered" some but not
+    all. Which greedy answer fires a trigger depends on the CPU's kernels (on AVX2 code paths, with
+    SFCL's int4 x int8 GEMV, the first question's answer became a confident loop with none), so
+    the questions are tried in turn until one answer fires."""
     url, _ = server
-    out = {}
-    for mode in ("off", "triggered", "always"):
-        r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": mode}, timeout=120, json={
-            "model": "smollm2-135m-instruct", "max_tokens": 48, "temperature": 0,
-            "messages": [{"role": "user", "content": nda_question}]})
-        assert r.status_code == 200, r.text
-        out[mode] = r.json()
-    texts = {m: o["content"][0]["text"] for m, o in out.items()}
-    assert texts["off"] == texts["triggered"] == texts["always"]
-    n = out["always"]["usage"]["output_tokens"]
-    assert out["always"]["sfcl"]["snapshots"]["lookups"] == n
-    assert out["off"]["sfcl"]["snapshots"]["lookups"] == 0
-    assert 0 < out["triggered"]["sfcl"]["snapshots"]["lookups"] < n
+    doc = nda_question.rsplit("\n\n", 1)[0]
+    fired = []
+    for question in (nda_question, doc + "\n\nWho are the parties, and on what date was this signed?",
+                     doc + "\n\nWhich sections of this agreement mention notice, and how many days?"):
+        out = {}
+        for mode in ("off", "triggered", "always"):
+            r = httpx.post(url + "/v1/messages", headers={"x-sfcl-snapshot": mode}, timeout=120, json={
+                "model": "smollm2-135m-instruct", "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+            out[mode] = r.json()
+        texts = {m: o["content"][0]["text"] for m, o in out.items()}
+        assert texts["off"] == texts["triggered"] == texts["always"]
+        n = out["always"]["usage"]["output_tokens"]
+        assert out["always"]["sfcl"]["snapshots"]["lookups"] == n
+        assert out["off"]["sfcl"]["snapshots"]["lookups"] == 0
+        fired.append(out["triggered"]["sfcl"]["snapshots"]["lookups"])
+        assert fired[-1] < n
+        if fired[-1] > 0:
+            break
+    assert fired[-1] > 0, fired
 
 
 def test_bad_requests_get_api_errors_not_500(server):
