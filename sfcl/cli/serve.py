@@ -115,7 +115,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # Graceful shutdown: on SIGTERM/SIGINT uvicorn stops accepting and waits for open streams;
     # after --shutdown-timeout, or at a second signal, the engine ends whatever still runs with an
     # overloaded_error event (a well-formed end that says the answer was cut, so clients retry), and
-    # the process exits 0. A third signal is uvicorn's forced exit (tasks cancelled mid-stream).
+    # the process exits 0 (130 after Ctrl-C). A third signal is uvicorn's forced exit (tasks cancelled
+    # mid-stream).
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                                            timeout_graceful_shutdown=a.shutdown_timeout + 5))
     uvicorn_exit = server.handle_exit
@@ -131,22 +132,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
         t2.daemon = True
         t2.start()
 
-    signals: list[threading.Timer] = []  # one entry per shutdown signal; the first holds the deadline timer
+    deadline = threading.Timer(a.shutdown_timeout, past_deadline)
+    deadline.daemon = True
+    signals_seen = [0]
 
     def handle_exit(sig, frame) -> None:
-        if not signals:
+        signals_seen[0] += 1
+        if signals_seen[0] == 1:
             print(f"sfcl: shutting down; open streams get {a.shutdown_timeout:g} s to finish (a second signal ends "
                   f"them now)", file=sys.stderr, flush=True)
-            t = threading.Timer(a.shutdown_timeout, past_deadline)
-            t.daemon = True
-            t.start()
-            signals.append(t)
+            deadline.start()
             uvicorn_exit(sig, frame)
-        elif len(signals) == 1:  # Ctrl-C again: end the streams now, each with its error event, and exit
+        elif signals_seen[0] == 2:  # Ctrl-C again: end the streams now, each with its error event, and exit
             print("sfcl: second signal: ending open streams now (a third one forces the exit)", file=sys.stderr,
                   flush=True)
-            signals[0].cancel()
-            signals.append(signals[0])
+            deadline.cancel()
             past_deadline()
         else:  # uvicorn's forced exit: open tasks are cancelled
             uvicorn_exit(sig, frame)
