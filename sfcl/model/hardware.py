@@ -205,17 +205,15 @@ class WeightChoice:
 
     def summary(self, dtype: torch.dtype) -> str:
         """The format in words, for the log line: which kernels take which batches."""
-        from sfcl.model.quant import DEFAULT_LM_HEAD, DEFAULT_MAX_ROWS
+        from sfcl.model.quant import resolved_cuts
 
         if self.mode == "none":
             return "weights as loaded"
         if self.mode == "fp16":
             return "FBGEMM fp16 weights"
-        rows = DEFAULT_MAX_ROWS[self.mode] if self.max_rows is None else self.max_rows
-        head_rows = rows if self.head_max_rows is None else self.head_max_rows
+        head, rows, head_rows = resolved_cuts(self.mode, self.lm_head, self.max_rows, self.head_max_rows)
         above = {"keep": f"{str(dtype).removeprefix('torch.')} weights", "fp16": "FBGEMM fp16 weights",
                  "dequant": "weights dequantized per call"}[self.dense]
-        head = self.lm_head or DEFAULT_LM_HEAD[self.mode]
         head_part = f"{head} lm_head" + (f" for 1-{head_rows} rows" if head in ("int8", "int4") else "")
         return (f"{self.mode} block projections for decode batches of 1-{rows} rows, {above} above and for "
                 f"prompt tokens; {head_part}")

@@ -374,6 +374,15 @@ class QuantLinear(nn.Module):
                 f"max_rows={self.max_rows}, dense={self.dense}")
 
 
+def resolved_cuts(mode: str, lm_head: str | None = None, max_rows: int | None = None,
+                  head_max_rows: int | None = None) -> tuple[str, int, int]:
+    """(lm_head format, max_rows of the block projections, max_rows of the lm_head) that
+    ``quantize_weights`` applies for these arguments (None: the defaults)."""
+    head = DEFAULT_LM_HEAD[mode] if lm_head is None else lm_head
+    rows = DEFAULT_MAX_ROWS.get(mode, 0) if max_rows is None else int(max_rows)
+    return head, rows, rows if head_max_rows is None else int(head_max_rows)
+
+
 def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
                      lm_head: str | None = None, head_max_rows: int | None = None) -> nn.Module:
     """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` / ``Fp16Linear`` in place;
@@ -399,7 +408,7 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
         return model
     if dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
-    head = DEFAULT_LM_HEAD[mode] if lm_head is None else lm_head
+    head, rows, head_rows = resolved_cuts(mode, lm_head, max_rows, head_max_rows)
     if head not in WEIGHT_QUANT_MODES:
         raise ValueError(f"lm_head quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {head!r}")
     dev = next(model.parameters()).device
@@ -409,8 +418,6 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     if "fp16" in (mode, dense, head) and not fp16_gemm_available():
         raise ValueError("fp16 weights need FBGEMM's fp16 GEMM, which this torch build lacks (x86 builds have it); "
                          "use --weight-quant int8, int4 or none")
-    rows = DEFAULT_MAX_ROWS.get(mode, 0) if max_rows is None else int(max_rows)
-    head_rows = rows if head_max_rows is None else int(head_max_rows)
     if min(rows, head_rows) < 0:
         raise ValueError("max_rows and head_max_rows must be >= 0")
 
