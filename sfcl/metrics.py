@@ -25,6 +25,8 @@ from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent
 # Buckets that resolve both CPU (tens of ms to seconds) and GPU (ms) speeds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0)  # one engine step: ~5-10 ms decoding one stream on 2 CPU cores, seconds with a long prompt chunk
 VARIANCE_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)  # seconds^2 (1e-4 s^2 = 100 ms^2)
 N_ANCHOR_BUCKETS = 32  # anchor-id ranges on the heatmap's y axis
 
@@ -60,6 +62,10 @@ class PrometheusStatLogger:
         self.waiting = Gauge("sfcl_num_requests_waiting", "Requests waiting for a KV slot", registry=r)
         self.kv_usage = Gauge("sfcl_kv_cache_usage_ratio", "Share of KV slots in use (0..1)", registry=r)
         self.steps = Counter("sfcl_engine_steps", "Engine steps executed", registry=r)
+        self.step_seconds = Histogram("sfcl_engine_step_seconds", "Wall time of one engine step (schedule, "
+                                      "forward, sampling, triggers, lookups, events), by kind: decode (decode rows "
+                                      "only) or prefill (with prompt tokens)", ["kind"], buckets=STEP_BUCKETS,
+                                      registry=r)
         self.lookups = Counter("sfcl_snapshot_lookups", "Anchor lookups by the (first) trigger that caused "
                                "them ('always' for every-token mode without a trigger) and the request's "
                                "snapshot mode (triggered | always)", ["trigger", "mode"], registry=r)
@@ -136,6 +142,8 @@ class PrometheusStatLogger:
     def log(self, stats, events) -> None:
         """stats: ``sfcl.engine.engine.StepStats``; events: the step's (request_id, event) pairs."""
         self.steps.inc()
+        if stats.step_ms:
+            self.step_seconds.labels(kind="prefill" if stats.prefill_tokens else "decode").observe(stats.step_ms / 1e3)
         self.generation_tokens.inc(stats.generated)
         self.n_tokens += stats.generated
         self.prefix_queries.inc(getattr(stats, "prefix_cache_queries", 0))

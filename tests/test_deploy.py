@@ -58,9 +58,10 @@ def exported() -> dict[str, set[str]]:
     fins = [Finished("end_turn", None, prompt_tokens=12, completion_tokens=5, snapshot_summary={"mode": mode},
                      ttft_ms=80.0, queue_ms=5.0, e2e_ms=400.0, token_gaps_ms=[60.0, 90.0, 75.0], tag=tag)
             for mode, tag in (("triggered", "high-risk"), ("always", None))]
-    m.log(StepStats(prefill_tokens=12, generated=1, prefix_cache_queries=12, prefix_cache_hits=8),
+    m.log(StepStats(prefill_tokens=12, generated=1, prefix_cache_queries=12, prefix_cache_hits=8, step_ms=30.0),
           [("a", snap), ("b", snap)])
-    m.log(StepStats(generated=2, lookups=1, lookup_ms=0.3), [("a", fins[0]), ("b", fins[1]), ("c", ErrorEvent("x"))])
+    m.log(StepStats(generated=2, lookups=1, lookup_ms=0.3, step_ms=8.0),
+          [("a", fins[0]), ("b", fins[1]), ("c", ErrorEvent("x"))])
     eng = FakeEngine()
     eng.metrics = m
     with serve_in_thread(create_app(eng, api_key="k")) as url:

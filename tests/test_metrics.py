@@ -32,9 +32,10 @@ def test_step_records_become_series():
                    queue_ms=40.0, e2e_ms=900.0, token_gaps_ms=[100.0, 300.0, 200.0], tag="high-risk")
     other = Finished("end_turn", None, prompt_tokens=5, completion_tokens=1, snapshot_summary={}, tag="weird-tag")
     m.watch_requests({"a": "triggered"}.get)  # "b" is unknown to the engine
-    m.log(StepStats(generated=2, lookups=1, lookup_ms=2.0, prefix_cache_queries=40, prefix_cache_hits=32),
-          [("a", snap("entity_low_confidence")), ("b", snap("always"))])
-    m.log(StepStats(generated=1, prefix_cache_queries=8), [("a", fin), ("c", ErrorEvent("x")), ("d", other)])
+    m.log(StepStats(generated=2, lookups=1, lookup_ms=2.0, prefix_cache_queries=40, prefix_cache_hits=32,
+                    decode_batch=2, step_ms=7.5), [("a", snap("entity_low_confidence")), ("b", snap("always"))])
+    m.log(StepStats(generated=1, prefix_cache_queries=8, prefill_tokens=8, step_ms=40.0),
+          [("a", fin), ("c", ErrorEvent("x")), ("d", other)])
     t = m.render().decode()
     assert value(t, "sfcl_generation_tokens_total") == 3 and value(t, "sfcl_engine_steps_total") == 2
     assert 'sfcl_snapshot_lookups_total{mode="triggered",trigger="entity_low_confidence"} 1.0' in t
@@ -54,6 +55,9 @@ def test_step_records_become_series():
     assert 'sfcl_snapshots_by_anchor_bucket_total{bucket="00"} 2.0' in t  # anchor 1 of 64 -> bucket 0
     assert "sfcl_kv_cache_usage_ratio 0.75" in t and value(t, "sfcl_cost_per_1k_tokens_dollars") > 0
     assert value(t, "sfcl_snapshot_lookup_seconds_sum") == 0.002
+    assert 'sfcl_engine_step_seconds_sum{kind="decode"} 0.0075' in t  # decode rows only
+    assert 'sfcl_engine_step_seconds_sum{kind="prefill"} 0.04' in t  # with prompt tokens
+    assert 'sfcl_engine_step_seconds_bucket{kind="decode",le="0.008"} 1.0' in t
     assert "sfcl_num_requests_running 3.0" in t and "sfcl_num_requests_waiting 7.0" in t
     assert "sfcl_snapshots_enabled 0.0" in t
 
