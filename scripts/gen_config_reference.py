@@ -32,6 +32,10 @@ ENV_VARS = (
     ("SFCL_INT4_KERNEL", "`sfcl.model.quant.int4_kernel`",
      "Which GEMV int4 weights run on: `auto` (default; SFCL's int4 x int8 kernel where torch's CPU capability "
      "is below AVX-512 and SFCL's kernels load, else torch's), `sfcl`, or `torch`."),
+    ("SFCL_INT8_KERNEL", "`sfcl.model.quant.int8_kernel`",
+     "Which GEMV int8 weights (the default formats' `lm_head`) run on: `auto` (default; `q8`, SFCL's int8 x "
+     "int8 kernel on activations quantised per block of 32, by `SFCL_INT4_KERNEL`'s `auto` rule, else `bf16`), "
+     "`q8`, or `bf16` (bf16 activations; SFCL's int8 GEMV once its kernels load, else torch's)."),
     ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
      "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
      "flags, torch version and CPU-flags hash)."),

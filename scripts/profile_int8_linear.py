@@ -1,4 +1,5 @@
-"""SFCL's int8 GEMV (``torch.ops.sfcl.int8_linear``) against torch's ``_weight_int8pack_mm``.
+"""SFCL's int8 GEMVs (``torch.ops.sfcl.int8_linear``, bf16 activations, and ``int8_q8_linear``, int8
+activations per block of 32) against torch's ``_weight_int8pack_mm``.
 
     python scripts/profile_int8_linear.py [--reps 40] [--tokens 128] [--rounds 4] [--threads 2]
 
@@ -6,11 +7,11 @@
    and 4 rows, each kernel timed warm and right after copying 96 MB (a decode step's weight
    traffic, which the head follows), p50 over ``--reps`` calls.
 2. The engine (default weight format, snapshots on, fused decode layers) decoding one greedy
-   stream of ``--tokens`` tokens, the two kernels alternating run by run for ``--rounds`` rounds
-   in one process (``sfcl.model.quant.int8_mm`` swapped); ms per token including the prefill, and
-   whether the greedy texts are equal.
+   stream of ``--tokens`` tokens, the three kernels alternating run by run for ``--rounds`` rounds
+   in one process (the head's ``QuantLinear.kernel`` and ``sfcl.model.quant.int8_mm`` swapped); ms
+   per token including the prefill, and whether the greedy texts are equal.
 
-Prints the CPU, the figures of both kernels and their ratio.
+Prints the CPU, the figures of the kernels and their ratios to ``int8_linear``.
 """
 
 from __future__ import annotations
@@ -56,20 +57,29 @@ def main() -> None:
     mcfg, scfg = ModelConfig(), SnapshotConfig()
     lm = load_model(mcfg.model, dtype=mcfg.dtype, device="cpu", cache_dir=scfg.cache_dir)
     wq = resolve_weight_format("auto", lm.model.embed_tokens.weight.dtype)
-    quant.quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
+    quant.quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
+                          head_max_rows=wq.head_max_rows)
     head = lm.model.lm_head
     if not (isinstance(head, quant.QuantLinear) and head.mode == "int8"):
         raise SystemExit(f"the default weight format here ({wq}) has no int8 lm_head")
     src = torch.empty(96 * 2**20 // 4)
     dst = torch.empty_like(src)
-    kernels = {"sfcl int8_linear": torch.ops.sfcl.int8_linear, "torch _weight_int8pack_mm": torch._weight_int8pack_mm}
-    print(f"| lm_head {head.out_features} x {head.in_features} int8, p50 ms | " + " | ".join(kernels) + " | ratio |")
-    print("|---|---|---|---|")
+    dt = lm.model.embed_tokens.weight.dtype
+    kernels = {  # name: (kernel, activation dtype it is given when serving)
+        "sfcl int8_linear": (torch.ops.sfcl.int8_linear, quant.KERNEL_DTYPE),
+        "sfcl int8_q8_linear": (torch.ops.sfcl.int8_q8_linear, dt),
+        "torch _weight_int8pack_mm": (torch._weight_int8pack_mm, quant.KERNEL_DTYPE),
+    }
+    print(f"| lm_head {head.out_features} x {head.in_features} int8, p50 ms | " + " | ".join(kernels)
+          + " | q8 / int8_linear | torch / int8_linear |")
+    print("|---|---|---|---|---|---|")
     for M in (1, 2, 3, 4):
-        x = torch.randn(M, head.in_features).to(quant.KERNEL_DTYPE)
+        x = torch.randn(M, head.in_features)
         for evict in (None, (src, dst)):
-            t = [p50_ms(lambda k=k: k(x, head.qweight, head.scales), a.reps, evict) for k in kernels.values()]
-            print(f"| M = {M}, {'after a 96 MB copy' if evict else 'warm'} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / t[1]:.2f}x |")
+            t = [p50_ms(lambda k=k, xd=x.to(d): k(xd, head.qweight, head.scales), a.reps, evict)
+                 for k, d in kernels.values()]
+            print(f"| M = {M}, {'after a 96 MB copy' if evict else 'warm'} | " + " | ".join(f"{v:.3f}" for v in t)
+                  + f" | {t[1] / t[0]:.2f}x | {t[2] / t[0]:.2f}x |")
 
     lib = load_anchors(lm, scfg, False)
     eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=16), scfg)
@@ -80,26 +90,28 @@ def main() -> None:
         return SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
 
     run_to_completion(eng, [(ids, params())])  # warm-up
-    ours = quant.int8_mm
-    swaps = {"sfcl int8_linear": ours, "torch _weight_int8pack_mm": torch._weight_int8pack_mm}
+    ours, kernel0 = quant.int8_mm, head.kernel
+    swaps = {"sfcl int8_linear": ("bf16", ours), "sfcl int8_q8_linear": ("q8", ours),
+             "torch _weight_int8pack_mm": ("bf16", torch._weight_int8pack_mm)}
     per_token: dict[str, list[float]] = {k: [] for k in swaps}
     texts: dict[str, str] = {}
     try:
         for _ in range(a.rounds):
-            for name, fn in swaps.items():
-                quant.int8_mm = fn
+            for name, (kind, fn) in swaps.items():
+                head.kernel, quant.int8_mm = kind, fn
                 t0 = time.perf_counter()
                 [events] = run_to_completion(eng, [(ids, params())])
                 per_token[name].append((time.perf_counter() - t0) / a.tokens * 1e3)
                 texts[name] = "".join(e.text for e in events if isinstance(e, TextDelta))
     finally:
-        quant.int8_mm = ours
+        head.kernel, quant.int8_mm = kernel0, ours
     print(f"\none greedy stream, {a.tokens} tokens incl. prefill, ms/token per round (min):")
     for name, v in per_token.items():
         print(f"  {name}: " + " ".join(f"{x:.2f}" for x in v) + f" ({min(v):.2f})")
-    print(f"  ratio of the minima {min(per_token['sfcl int8_linear']) / min(per_token['torch _weight_int8pack_mm']):.3f}; "
-          f"same greedy text: {len(set(texts.values())) == 1}")
-
+    base = min(per_token["sfcl int8_linear"])
+    print("  ratio of the minima to int8_linear: " + ", ".join(f"{n} {min(v) / base:.3f}" for n, v in per_token.items())
+          + f"; greedy texts equal to int8_linear's: "
+          + ", ".join(f"{n} {texts[n] == texts['sfcl int8_linear']}" for n in texts))
 
 if __name__ == "__main__":
     main()

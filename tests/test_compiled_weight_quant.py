@@ -33,15 +33,21 @@ def _text(events):
 
 
 @pytest.mark.slow
-def test_compiled_int8_weights_3_slots_sampling_stop_abort(shallow_model, lm):
+def test_compiled_int8_weights_3_slots_sampling_stop_abort(shallow_model, lm, monkeypatch):
     """--compile + --weight-quant int8 with max_num_seqs=3 (kernel cut 7 > slots): greedy with a
     stop string, two sampled rows (top_p < 1 and == 1), one aborted mid-decode, a 4th request
     waiting for a slot: same text as eager, nothing compiled after warm-up. On the bundled model
-    cut to a few blocks (``shallow_model``): all 30 took ~7.5 min of compiling on 2 cores."""
+    cut to a few blocks (``shallow_model``): all 30 took ~7.5 min of compiling on 2 cores. The int8
+    GEMV on bf16 activations on every CPU: with int8 ones (``quant.int8_kernel`` "q8", AVX2 CPUs) a
+    last-bit difference between Inductor's fused element-wise steps and eager's moves an activation
+    code now and then, and a sampled row of this shallow model's near-tie tokens followed it (seen
+    on AVX2 code paths); the q8 GEMV's tracing is the next test's."""
     from conftest import contractnli_docs
 
     from sfcl.engine_stack import make_llm_engine
     from sfcl.model.quant import quantize_weights
+
+    monkeypatch.setenv("SFCL_INT8_KERNEL", "bf16")
 
     ids = lm.tokenizer.encode(contractnli_docs(1)[0].text[:2000])
     m8 = shallow_model()
@@ -77,6 +83,27 @@ def test_compiled_int8_weights_3_slots_sampling_stop_abort(shallow_model, lm):
     assert isinstance(fin, Finished) and fin.stop_sequence == stop and stop not in _text(b["g"])
     assert not any(isinstance(e, Finished) for e in b["s2"]) or b["s2"][-1].stop_reason != "max_tokens"
     assert isinstance(b["w"][-1], Finished) and b["w"][-1].completion_tokens == 10
+
+
+def test_int8_q8_gemv_traces_without_graph_breaks(monkeypatch):
+    """SFCL's int8 x int8 GEMV (``torch.ops.sfcl.int8_q8_linear``) inside a compiled graph: its Meta
+    kernel gives fake tensors their shape, so ``fullgraph`` compiles it (a graph break raises), and
+    the compiled call runs the same kernel as eager, bit for bit, at a batch it was not traced for."""
+    from torch import nn
+
+    from sfcl.model import decode_kernel
+    from sfcl.model.quant import QuantLinear
+
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+    monkeypatch.setenv("SFCL_INT8_KERNEL", "q8")
+    ql = QuantLinear.from_linear(nn.Linear(128, 40), "int8", max_rows=4)
+    assert ql.kernel == "q8"
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: ql(x) * 2.0, fullgraph=True, dynamic=True)
+    for rows in (3, 2):
+        x = torch.randn(rows, 128)
+        assert torch.equal(f(x), ql(x) * 2.0)
 
 
 def test_compiled_buckets_one_slot(lm):

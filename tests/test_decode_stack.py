@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from sfcl.model import decode_kernel, decode_stack
+from sfcl.model import decode_kernel, decode_stack, quant
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel, StepBatch
 from sfcl.model.quant import QuantLinear, quantize_weights
@@ -60,25 +60,30 @@ def _both_ways(model, args, dtype, prompts, next_ids, tap):
 
 
 @pytest.mark.parametrize("weights, B", [
-    (w, b) for w in ["none", "int4/torch", "int4/sfcl", "int8"] for b in [1, 3, 8]  # 8 > max_rows: the dense copies
+    (w, b) for w in ["none", "int4/torch", "int4/sfcl", "int8/bf16", "int8/q8"] for b in [1, 3, 8]  # 8 > max_rows: dense
 ] + [("int4/sfcl@32", 12)])  # the AVX2 default's cut: 12 rows on SFCL's int4 kernel (more rows than its 8 registers)
 def test_decode_layers_match_the_python_forward(kernel, lm, lm_fp32, weights, B, monkeypatch):
     """Same logits, tap hidden state, snapshot-layer weights and K/V writes as the Python forward,
     on the bundled model over real prompts: bit for bit in float32 (also where the packed kernels
     round activations to bf16), to rounding in the CPU's dtype where that is bf16. int4 with either
-    int4 GEMV (``quant.int4_kernel``: torch's, or SFCL's int4 x int8); ``@N``: max_rows N."""
+    int4 GEMV (``quant.int4_kernel``: torch's, or SFCL's int4 x int8), int8 with either int8 GEMV
+    (``quant.int8_kernel``: bf16 activations, or SFCL's int8 x int8); ``@N``: max_rows N."""
     weights, _, cut = weights.partition("@")
-    mode, _, int4_kernel = weights.partition("/")
-    if int4_kernel:
-        monkeypatch.setenv("SFCL_INT4_KERNEL", int4_kernel)
-    models = [lm_fp32] if cut else {id(lm): lm, id(lm_fp32): lm_fp32}.values()  # @N: the float32 model of AVX2 CPUs
+    mode, _, gemv = weights.partition("/")
+    if gemv:
+        monkeypatch.setenv("SFCL_INT4_KERNEL" if mode == "int4" else "SFCL_INT8_KERNEL", gemv)
+    # @N and int8/q8: the float32 model of AVX2 CPUs, where they are the defaults (on a bf16 model int8
+    # activations turn a last-bit difference of the 16-bit path into a different code now and then)
+    models = [lm_fp32] if cut or gemv == "q8" else {id(lm): lm, id(lm_fp32): lm_fp32}.values()
     for m in models:
         model = copy.deepcopy(m.model)
         quantize_weights(model, mode, int(cut) if cut else None)
         if cut:
             assert decode_stack.layer_args(model, B).kinds[:4] == [decode_stack.KIND_INT4_Q8] * 4
-        if int4_kernel:
-            assert all(q.kernel == int4_kernel for q in model.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
+        if gemv:
+            assert all(q.kernel == gemv for q in model.modules() if isinstance(q, QuantLinear) and q.mode == mode)
+        if gemv == "q8" and B <= quant.DEFAULT_MAX_ROWS["int8"]:
+            assert decode_stack.layer_args(model, B).kinds[:4] == [decode_stack.KIND_INT8_Q8] * 4
         dtype = next(model.parameters()).dtype
         prompts = [m.tokenizer(PROMPTS[i % 4], add_special_tokens=False)["input_ids"][: 6 + 3 * i] for i in range(B)]
         nxt = [p[-1] for p in prompts]

@@ -82,6 +82,24 @@ def _int4_packed(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return torch._weight_int4pack_mm_for_cpu(x.bfloat16(), q.qweight, 32, q.scales_and_zeros).to(x.dtype)
 
 
+def _int8_packed(q: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel q's packed path runs (``QuantLinear.kernel``, ``quant.int8_kernel``: bf16
+    activations, or SFCL's int8 x int8 on x as it is), in x's dtype."""
+    if q.kernel == "q8":
+        return torch.ops.sfcl.int8_q8_linear(x.contiguous(), q.qweight, q.scales)
+    return quant.int8_mm(x.bfloat16(), q.qweight, q.scales).to(x.dtype)
+
+
+def _q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) with every block of 32 rounded as the int8-activation kernels round it (llama.cpp's
+    Q8_0: d = max |x| / 127, x8 = round(x / d); torch.round, like nearbyint, rounds half to even),
+    as float32 values d * x8."""
+    M, K = x.shape
+    xb = x.float().view(M, K // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    return (torch.round(xb / d).clamp(-127, 127) * d).view(M, K)
+
+
 def test_int8_symmetric_per_channel():
     w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 2.0]])
     q, s = quantize_int8(w)
@@ -94,8 +112,7 @@ def test_int8_symmetric_per_channel():
 def test_dispatch_by_rows(mode, dense):
     lin = _linear(seed=4)
     q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
-    packed = (lambda x: torch._weight_int8pack_mm(x, q.qweight, q.scales)) if mode == "int8" else \
-        (lambda x: _int4_packed(q, x))
+    packed = (lambda x: _int8_packed(q, x)) if mode == "int8" else (lambda x: _int4_packed(q, x))
     dense_w = q.dense_weight if dense == "keep" else q.dequantized_weight()
     # either way the dense path multiplies by the packed kernel's weights, not the original ones
     torch.testing.assert_close(dense_w.float(), q.dequantized_weight().float(), rtol=0, atol=1e-6)
@@ -211,6 +228,13 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
 
     monkeypatch.setattr(quant, "int4_mm", count4q8)  # SFCL's int4 x int8 GEMV where quant.int4_kernel picks it
     monkeypatch.setattr(quant, "int8_mm", count8)  # SFCL's int8 GEMV or torch's (test_int8_mm_*)
+    real8q8 = quant.int8_q8_mm
+
+    def count8q8(*a):
+        calls["int8"] += 1
+        return real8q8(*a)
+
+    monkeypatch.setattr(quant, "int8_q8_mm", count8q8)  # SFCL's int8 x int8 GEMV where quant.int8_kernel picks it
     monkeypatch.setattr(F, "linear", count_linear)
     ids = lm.tokenizer("The Recipient shall keep all Confidential Information", add_special_tokens=False)["input_ids"]
     # layers in Python (the fused decode layers call the same kernels from C++, where they cannot be
@@ -353,9 +377,11 @@ def test_dense_path_multiplies_by_the_packed_kernels_weights(dtype, mode, dense)
     q = QuantLinear.from_linear(lin, mode, max_rows=2, dense=dense)
     x = torch.randn(8, 576, generator=gen).to(dtype)
     packed = torch.cat([q(x[i:i + 2]) for i in range(0, 8, 2)]).float()  # 2 rows a call: the packed kernel
-    dense_y = q(x).float()  # 8 rows: the dense path
     exact = F.linear(x.float(), lin.weight.float())  # the unquantized weights
     quant_err = (packed - exact).abs().mean()  # what the gap would be with the original weights densely
+    # the dense path (8 rows); where the packed kernel quantises activations to int8 (SFCL's int4 and
+    # int8 x int8 GEMVs: quant.int4_kernel / int8_kernel), on the activations rounded as it rounds them
+    dense_y = q(_q8_rounded(x).to(dtype) if q.kernel in ("sfcl", "q8") else x).float()
     path_gap = (packed - dense_y).abs().mean()  # rounding only (the packed kernels return bf16)
     assert path_gap < quant_err / 3, (float(path_gap), float(quant_err))
 
@@ -431,3 +457,88 @@ def test_int8_linear_rejects_bad_arguments(kernels):
         with pytest.raises(RuntimeError, match="int8_linear"):
             torch.ops.sfcl.int8_linear(*args)
     assert torch.ops.sfcl.int8_linear(x[:0], q, s).shape == (0, 8)
+
+
+def _q8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 x8 W^T with x8 the activations rounded per block of 32 (``_q8_rounded``), codes of
+    -128 counted as -127, times the row scales."""
+    return (_q8_rounded(x).double() @ q.double().clamp(min=-127).T) * scales.double()
+
+
+@pytest.mark.parametrize("K", [576, 64])
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_int8_q8_linear_multiplies_q8_activations(kernels, M, K):
+    """torch.ops.sfcl.int8_q8_linear: the int8 weight times the activations quantised per block of 32:
+    within float32 summation error of that product in float64, for float32, bf16 and fp16 x (bf16 /
+    fp16 results one rounding away), and within the quantisation's error (~5e-3) of the exact x W^T."""
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    N = 264
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scales = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g)
+    y = torch.ops.sfcl.int8_q8_linear(x, q, scales)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    ref = _q8_reference(x, q, scales)
+    torch.testing.assert_close(y.double(), ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+    exact = (x.double() @ q.double().T) * scales.double()
+    assert float((y.double() - exact).norm() / exact.norm()) < 1.5e-2
+    for dt, rtol in ((torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10)):
+        yd = torch.ops.sfcl.int8_q8_linear(x.to(dt), q, scales)
+        assert yd.dtype == dt
+        refd = _q8_reference(x.to(dt), q, scales)
+        torch.testing.assert_close(yd.double(), refd, atol=1e-4 * float(refd.abs().max()), rtol=rtol)
+
+
+def test_int8_q8_linear_edge_values(kernels):
+    """A block holding inf or NaN makes its row's outputs NaN (no silent finite answer), an all-zero
+    row gives zeros, a weight code of -128 counts as -127, and no rows give (0, N)."""
+    q = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    s = torch.full((16,), 0.01, dtype=torch.bfloat16)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("inf")
+    y = torch.ops.sfcl.int8_q8_linear(x, q, s)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+    assert torch.equal(torch.ops.sfcl.int8_q8_linear(torch.zeros(1, 64), q, s), torch.zeros(1, 16))
+    q128 = q.clone()
+    q128[:, 5] = -128
+    x1 = torch.randn(1, 64)
+    torch.testing.assert_close(torch.ops.sfcl.int8_q8_linear(x1, q128, s),
+                               _q8_reference(x1, q128, s).float(), atol=1e-5, rtol=1e-5)
+    assert torch.ops.sfcl.int8_q8_linear(x[:0], q, s).shape == (0, 16)
+
+
+def test_int8_q8_linear_rejects_bad_arguments(kernels):
+    q = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    s = torch.ones(8)
+    x = torch.randn(2, 64)
+    for args in [(x[:, :48].contiguous(), q[:, :48].contiguous(), s),  # K not a multiple of 32
+                 (x, q.float(), s), (x, q[:, :32].contiguous(), s), (x, q, s[:4]), (x[0], q, s),
+                 (x.long(), q, s), (x.t().contiguous().t()[:, :64], q, s.long()), (x, q.t().contiguous().t(), s)]:
+        with pytest.raises(RuntimeError, match="int8_q8_linear"):
+            torch.ops.sfcl.int8_q8_linear(*args)
+
+
+def test_int8_kernel_follows_the_cpu_and_the_variable(kernels, monkeypatch):
+    """``auto``: int8 activations below AVX-512 (where ``int4_kernel`` picks SFCL's too), bf16 ones on
+    AVX-512; ``$SFCL_INT8_KERNEL`` overrides; another value raises. A QuantLinear's packed path
+    runs the chosen kernel on x as it is, and its dense path still multiplies by the same weights."""
+    monkeypatch.delenv("SFCL_INT8_KERNEL", raising=False)
+    monkeypatch.delenv("SFCL_INT4_KERNEL", raising=False)
+    for cap, want in (("AVX2", "q8"), ("AVX512", "bf16"), ("DEFAULT", "q8")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=cap: c)
+        assert quant.int8_kernel() == want
+        assert quant.int4_kernel() == ("sfcl" if want == "q8" else "torch")
+    monkeypatch.setenv("SFCL_INT8_KERNEL", "bf16")
+    assert quant.int8_kernel() == "bf16"
+    monkeypatch.setenv("SFCL_INT8_KERNEL", "q8")
+    lin = torch.nn.Linear(128, 40)
+    ql = QuantLinear.from_linear(lin, "int8", max_rows=2, dense="keep")
+    assert ql.kernel == "q8"
+    x2 = torch.randn(2, 128)
+    assert torch.equal(ql(x2), torch.ops.sfcl.int8_q8_linear(x2, ql.qweight, ql.scales) + lin.bias)
+    x3 = torch.randn(3, 128)
+    torch.testing.assert_close(ql(x3), torch.nn.functional.linear(x3, ql.dense_weight, lin.bias))
+    assert QuantLinear.from_linear(torch.nn.Linear(48, 8), "int8", max_rows=2).kernel == "bf16"  # K % 32 != 0
+    monkeypatch.setenv("SFCL_INT8_KERNEL", "fast")
+    with pytest.raises(ValueError, match="SFCL_INT8_KERNEL"):
+        QuantLinear.from_linear(lin, "int8", max_rows=2)

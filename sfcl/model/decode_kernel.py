@@ -5,9 +5,10 @@ operators: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
 ``Attention.decode_attn``), ``torch.ops.sfcl.decode_layers`` (``decode_layers.cpp``, every decoder
 layer of a decode-only step in one call; ``sfcl.model.decode_stack``), ``torch.ops.sfcl.int8_linear``
 (``int8_linear.cpp``, the int8 weights' GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place
-of torch's once the library is loaded; ``loaded``), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``,
-the int4 weights' GEMV on int8 activations, which ``QuantLinear`` runs where ``quant.int4_kernel``
-picks it: CPUs below AVX-512), and the module's ``anchor_search`` / ``anchor_lookup``
+of torch's once the library is loaded; ``loaded``), ``torch.ops.sfcl.int8_q8_linear`` (the same file,
+the int8 weights' GEMV on int8 activations, where ``quant.int8_kernel`` picks it: CPUs below
+AVX-512), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``, the int4 weights' GEMV on int8
+activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: CPUs below AVX-512), and the module's ``anchor_search`` / ``anchor_lookup``
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
 
@@ -64,7 +65,7 @@ HEADERS = (CSRC / "sfcl_kernels.h",)
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
-OPS = ("decode_attention", "decode_layers", "int8_linear", "int4_linear")  # the torch operators a loaded library must register
+OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold

@@ -26,7 +26,8 @@ from torch import nn
 from sfcl.model import quant
 from sfcl.model.quant import QuantLinear
 
-KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_Q8 = 0, 1, 2, 3  # csrc/decode_layers.cpp's kDense, kInt8, kInt4, kInt4Q8
+# csrc/decode_layers.cpp's kDense, kInt8, kInt4, kInt4Q8, kInt8Q8
+KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_Q8, KIND_INT8_Q8 = 0, 1, 2, 3, 4
 _EMPTY = torch.empty(0)
 _cache: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # model -> {key: LayerArgs}
 
@@ -50,8 +51,8 @@ def _projection(lin: nn.Module, rows: int) -> tuple[int, torch.Tensor, torch.Ten
     if isinstance(lin, QuantLinear):
         path = lin.path(rows)
         if path == "packed":
-            if lin.mode == "int8":
-                return KIND_INT8, lin.qweight, lin.scales, lin.bias
+            if lin.mode == "int8":  # SFCL's int8 x int8 GEMV (quant.int8_kernel) or the bf16-activation one
+                return KIND_INT8_Q8 if lin.kernel == "q8" else KIND_INT8, lin.qweight, lin.scales, lin.bias
             if lin.kernel == "sfcl":  # SFCL's int4 x int8 GEMV and layout (quant.int4_kernel)
                 return KIND_INT4_Q8, lin.q4codes, lin.q4sz, lin.bias
             return KIND_INT4, lin.qweight, lin.scales_and_zeros, lin.bias

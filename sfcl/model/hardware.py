@@ -292,7 +292,11 @@ class WeightFormat:
 #   fp16 weights 0.44 / 0.56 / 0.64 / 0.74-0.76 / 0.88 / 0.93x at 1 / 4 / 8 / 16 / 24 / 32 rows (fp32
 #   weights 1.32-1.35x at 16 / 32); an int8 lm_head above 3 rows was slower than the fp16 one here
 #   (not checked on a real AVX2 CPU, so it keeps the measured cut of 3). Perplexity +0.35% [+0.13,
-#   +0.60] (docs/benchmarks.md, fifteenth session).
+#   +0.60] (docs/benchmarks.md, fifteenth session). With the int8 lm_head on int8 activations too
+#   (quant.int8_kernel() "q8", the same rule; seventeenth session), over all 61 NDAs x 512 tokens
+#   (`python scripts/weight_quant_quality.py --docs 61 --tokens 512 --prompts 8 --modes int4`,
+#   SFCL_INT8_KERNEL = each in turn): +0.42% [+0.31, +0.54] against +0.39% [+0.30, +0.50] with bf16
+#   activations for the head.
 #
 # bf16, measured 2026-12-04 on an AMD EPYC with AVX-512 BF16 (2 cores, 1 thread; quiet machine):
 # - int4 blocks (+ int8 lm_head) against bf16 weights: NDA perplexity +0.07% [95% CI -0.10, +0.23]
@@ -311,12 +315,13 @@ WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
                      "start-up)"),
     ],
     "fp32_fbgemm": [
-        WeightFormat("int4", "fp16", "int8", 32, 0.0060,
+        WeightFormat("int4", "fp16", "int8", 32, 0.0054,
                      "SFCL's int4 x int8 kernels for 1-32-row decode batches (the int8 lm_head for 1-3 rows), FBGEMM "
                      "fp16 weights above and for prompts (step 0.44x / 0.65x of fp16 weights at batch 1 / 16); NDA "
-                     "perplexity +0.35% [95% CI +0.13, +0.60] (recorded on AVX2 code paths of an Intel Xeon with "
-                     "scripts/weight_quant_quality.py and scripts/profile_weight_formats.py --kernels, not measured "
-                     "at start-up)", int4_kernel="sfcl", head_max_rows=3),
+                     "perplexity +0.42% [95% CI +0.31, +0.54] with the int8 lm_head on int8 activations too (recorded "
+                     "on AVX2 code paths of an Intel Xeon with scripts/weight_quant_quality.py and "
+                     "scripts/profile_weight_formats.py --kernels, not measured at start-up)",
+                     int4_kernel="sfcl", head_max_rows=3),
         WeightFormat("int4", "fp16", "int8", 3, 0.0038,
                      "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
                      "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38] (recorded on an AVX2-only AMD EPYC with "

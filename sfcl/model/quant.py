@@ -24,7 +24,9 @@ Modes (weights quantized, activations stay bf16/fp32 — "W8A16"/"W4A16", as in 
   ``DEFAULT_LM_HEAD``). Where torch's CPU capability is below AVX-512, the packed path is SFCL's
   int4 x int8 GEMV instead (``int4_kernel``, ``int4_q8_layout``, ``csrc/int4_linear.cpp``): the
   same codes and bf16 scales in its own layout, activations quantised to int8 per block of 32
-  ("W4A8" on that path; NDA perplexity +0.35% against +0.26% with torch's kernel, AVX2 code paths).
+  ("W4A8" on that path; NDA perplexity +0.35% against +0.26% with torch's kernel, AVX2 code paths),
+  and an int8 ``lm_head`` runs SFCL's int8 x int8 GEMV (``int8_kernel``, ``int8_q8_linear`` in
+  ``csrc/int8_linear.cpp``: the same codes and row scales, activations quantised the same way).
 
 Dispatch by the number of input rows M (= decode batch rows, or prompt tokens in a prefill chunk):
 the packed kernels are memory-bound GEMVs that beat a bf16 GEMM only while M is small (measured on
@@ -64,6 +66,7 @@ from sfcl.model import decode_kernel
 WEIGHT_QUANT_MODES = ("none", "fp16", "int8", "int4")
 DENSE_MODES = ("keep", "dequant", "fp16")
 INT4_GROUP = 32
+Q8_BLOCK = 32  # activations quantised to int8 per block of this many (csrc/sfcl_kernels.h's kQ8Block)
 INT8_K_MULTIPLE = 16  # the packed int8 kernel's input size must be a multiple of this
 # Largest M that uses the packed kernel, per mode (crossovers measured as in the module docstring).
 DEFAULT_MAX_ROWS = {"int8": 6, "int4": 6}
@@ -163,7 +166,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w ~= scales[:, None] * q."""
     wf = w.detach().float()
     s = wf.abs().amax(1).clamp(min=1e-12) / 127.0  # (N,)
-    q = torch.round(wf / s[:, None]).clamp_(-128, 127).to(torch.int8)  # (N, K)
+    q = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
     return q, s
 
 
@@ -203,6 +206,13 @@ def _int4_kernel_weight(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
 
 
 INT4_KERNELS = ("auto", "sfcl", "torch")
+INT8_KERNELS = ("auto", "q8", "bf16")
+
+
+def _integer_activations() -> bool:
+    """The ``auto`` rule of ``int4_kernel`` and ``int8_kernel``: quantise activations to int8 (SFCL's
+    integer GEMVs) where torch's CPU capability is below AVX-512 and SFCL's native kernels load."""
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512") and decode_kernel.load()
 
 
 def int4_kernel() -> str:
@@ -215,9 +225,24 @@ def int4_kernel() -> str:
     want = os.environ.get("SFCL_INT4_KERNEL", "auto")
     if want not in INT4_KERNELS:
         raise ValueError(f"SFCL_INT4_KERNEL must be one of {', '.join(INT4_KERNELS)}, got {want!r}")
-    if want == "torch" or (want == "auto" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
+    if want == "torch" or (want == "auto" and not _integer_activations()):
         return "torch"
     return "sfcl" if decode_kernel.load() else "torch"
+
+
+def int8_kernel() -> str:
+    """Which GEMV an int8 ``QuantLinear``'s packed path runs: ``"q8"`` (``torch.ops.sfcl.int8_q8_linear``,
+    activations quantised to int8 per block of 32; ``csrc/int8_linear.cpp``) or ``"bf16"``
+    (``int8_mm``: bf16 activations). ``$SFCL_INT8_KERNEL`` = ``auto`` (default): ``q8`` by
+    ``int4_kernel``'s rule (below AVX-512, where converting the codes to float made the lm_head's
+    GEMV compute-bound: 1.87 against 1.36 ms, ``scripts/profile_int8_linear.py``), else ``bf16``.
+    Raises ValueError for another value of the variable."""
+    want = os.environ.get("SFCL_INT8_KERNEL", "auto")
+    if want not in INT8_KERNELS:
+        raise ValueError(f"SFCL_INT8_KERNEL must be one of {', '.join(INT8_KERNELS)}, got {want!r}")
+    if want == "bf16" or (want == "auto" and not _integer_activations()):
+        return "bf16"
+    return "q8" if decode_kernel.load() else "bf16"
 
 
 def int4_q8_layout(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +280,12 @@ def int4_mm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     return torch.ops.sfcl.int4_linear(x, codes, sz)
 
 
+def int8_q8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 / bf16 / fp16 times the int8 weight q (N, K) with row scales (N,) -> (M, N) in
+    x's dtype: ``torch.ops.sfcl.int8_q8_linear`` (int8 activations per block of 32; K % 32 == 0)."""
+    return torch.ops.sfcl.int8_q8_linear(x, q, scales)
+
+
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) bf16 times the int8 weight q (N, K) int8 with scales (N,) bf16 -> (M, N) bf16: SFCL's
     ``torch.ops.sfcl.int8_linear`` once its native library is loaded (``sfcl.model.decode_kernel``;
@@ -284,8 +315,9 @@ class QuantLinear(nn.Module):
             raise ValueError(f"int8 needs in_features ({self.in_features}) to be a multiple of {INT8_K_MULTIPLE}")
         dt = KERNEL_DTYPE  # the packed kernels' activation and scale dtype, whatever the model's
         self.bias = bias  # shared with the source module (nn.Parameter or None)
-        self.kernel: str | None = None  # int4: "sfcl" or "torch" (``int4_kernel``); int8: int8_mm picks per call
+        self.kernel: str  # int4: "sfcl" or "torch" (``int4_kernel``); int8: "q8" or "bf16" (``int8_kernel``)
         if mode == "int8":
+            self.kernel = int8_kernel() if self.in_features % Q8_BLOCK == 0 else "bf16"
             q, s = quantize_int8(weight)
             self.register_buffer("qweight", q)  # (N, K) int8
             self.register_buffer("scales", s.to(dt))  # (N,)
@@ -351,6 +383,8 @@ class QuantLinear(nn.Module):
         if path == "packed":
             if self.kernel == "sfcl":  # int8 activations from x as it is (float32, bf16 or fp16): no bf16 cast
                 y = int4_mm(x2.contiguous(), self.q4codes, self.q4sz)  # (M, N)
+            elif self.kernel == "q8":  # the same for the int8 weight
+                y = int8_q8_mm(x2.contiguous(), self.qweight, self.scales)  # (M, N)
             else:
                 xk = x2.to(KERNEL_DTYPE).contiguous()  # torch's packed kernels (and SFCL's int8 GEMV) take bf16
                 if self.mode == "int8":

@@ -133,19 +133,22 @@ void silu_mul(const T* gu, T* act, int64_t B, int64_t I) {
 }
 
 // Weight layouts of one projection (sfcl.model.decode_stack.KIND_*).
-constexpr int64_t kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Q8 = 3;
+constexpr int64_t kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Q8 = 3, kInt8Q8 = 4;
 constexpr int64_t kInt4Group = 32;  // sfcl.model.quant.INT4_GROUP
 
 // y (B, N) = x (B, K) W^T (+ bias), as sfcl.model.quant.QuantLinear.forward computes it for the path
 // given by kind: the packed kernels take bf16 activations (cast in and out), dense is at::linear;
 // int8 is SFCL's int8_linear (int8_linear.cpp), which QuantLinear runs too once this library is loaded;
-// int4 x int8 (kInt4Q8) is SFCL's int4_linear (int4_linear.cpp), on x as it is (QuantLinear.kernel "sfcl").
+// int4 x int8 (kInt4Q8) is SFCL's int4_linear (int4_linear.cpp), on x as it is (QuantLinear.kernel "sfcl"),
+// int8 x int8 (kInt8Q8) SFCL's int8_q8_linear (int8_linear.cpp), on x as it is (QuantLinear.kernel "q8").
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& s,
                    const c10::optional<at::Tensor>& bias) {
   if (kind == kDense) return at::linear(x, w, bias);
   at::Tensor y;
   if (kind == kInt4Q8) {
     y = sfcl::int4_linear(x.is_contiguous() ? x : x.contiguous(), w, s);
+  } else if (kind == kInt8Q8) {
+    y = sfcl::int8_q8_linear(x.is_contiguous() ? x : x.contiguous(), w, s);
   } else {
     at::Tensor xk = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     y = kind == kInt8 ? sfcl::int8_linear(xk, w, s) : at::_weight_int4pack_mm_for_cpu(xk, w, kInt4Group, s);
@@ -267,8 +270,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layers(
     TORCH_CHECK(norms[i].dim() == 1 && norms[i].size(0) == H && norms[i].is_contiguous() &&
                     norms[i].scalar_type() == h.scalar_type(), "norm weights: contiguous (hidden,) in h's dtype");
   for (int64_t i = 0; i < 4 * L; ++i)
-    TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt8 || kinds[i] == kInt4 || kinds[i] == kInt4Q8,
-                "kinds: 0 dense, 1 int8, 2 int4, 3 int4 x int8");
+    TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt8 || kinds[i] == kInt4 || kinds[i] == kInt4Q8 || kinds[i] == kInt8Q8,
+                "kinds: 0 dense, 1 int8, 2 int4, 3 int4 x int8, 4 int8 x int8");
   TORCH_CHECK(tap_layer >= 0 && tap_layer < L, "tap_layer must lie in [0, layers)");
   TORCH_CHECK(eps > 0.0 && std::isfinite(eps), "eps must be a positive finite number");
   TORCH_CHECK(n_heads > 0 && k_cache[0].size(1) > 0 && n_heads % k_cache[0].size(1) == 0,

@@ -38,7 +38,7 @@
 namespace sfcl {
 namespace {
 
-constexpr int64_t kGroup = 32;       // sfcl.model.quant.INT4_GROUP
+constexpr int64_t kGroup = kQ8Block;  // sfcl.model.quant.INT4_GROUP: the weight's groups are the activations' blocks
 constexpr int64_t kRows = 8;         // weight rows per block of the layout
 constexpr int64_t kBlocksPerTask = 16;  // row blocks per unit of the parallel split
 
@@ -47,38 +47,6 @@ inline float bf16_bits_to_float(uint16_t b) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-// Activation row x (K,) -> codes x8 (K,), and per block of 32: d, the int sum of the codes, the float sum.
-template <typename T>
-void quantise_row(const T* x, int64_t K, int8_t* x8, float* d, int32_t* xs, float* fs) {
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    float v[kGroup], amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      v[j] = static_cast<float>(x[g * kGroup + j]);
-      amax = std::max(amax, std::fabs(v[j]));
-      sum += v[j];
-    }
-    if (!std::isfinite(amax)) {  // inf or NaN in the block: no codes, and a non-finite result (d NaN)
-      for (int64_t j = 0; j < kGroup; ++j) x8[g * kGroup + j] = 0;
-      d[g] = std::numeric_limits<float>::quiet_NaN();
-      xs[g] = 0;
-      fs[g] = sum;
-      continue;
-    }
-    // the scale floored at FLT_MIN: a block of tiny values (max |x| < 127 / FLT_MAX) would make
-    // 127 / max |x| infinite, and the cast of an infinite code to int is undefined (it gave -127)
-    const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
-    int32_t s = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const float c = std::nearbyint(v[j] / scale);  // |c| <= 127
-      x8[g * kGroup + j] = static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
-      s += x8[g * kGroup + j];
-    }
-    d[g] = scale;
-    xs[g] = s;
-    fs[g] = sum;
-  }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -178,11 +146,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   std::vector<int32_t> xs(M * G);
   for (int64_t m = 0; m < M; ++m) {
     if (x.scalar_type() == at::kFloat)
-      quantise_row(x.data_ptr<float>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
+      quantise_q8_row(x.data_ptr<float>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
     else if (x.scalar_type() == at::kBFloat16)
-      quantise_row(x.data_ptr<at::BFloat16>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
+      quantise_q8_row(x.data_ptr<at::BFloat16>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
     else
-      quantise_row(x.data_ptr<at::Half>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
+      quantise_q8_row(x.data_ptr<at::Half>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* C = codes.data_ptr<uint8_t>();

@@ -1,4 +1,4 @@
-// Declarations shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp).
+// Declarations and helpers shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,8 +8,11 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -141,8 +144,45 @@ inline float dot_i8(const int8_t* v, const float* q, int64_t D) {
   return s;
 }
 
-// torch.ops.sfcl.int8_linear; see int8_linear.cpp.
+// Activation row x (K,) -> int8 codes x8 (K,) per block of 32 (llama.cpp's Q8_0: d = max |x| / 127,
+// x8 = round(x / d)), and per block: d, the int sum of the codes, the float sum of x. A block holding
+// inf or NaN gets no codes and d = NaN, so every product it enters is NaN. K must be a multiple of 32.
+// Used by int4_linear.cpp and int8_linear.cpp's int8_q8_linear (one rule for both).
+constexpr int64_t kQ8Block = 32;
+template <typename T>
+void quantise_q8_row(const T* x, int64_t K, int8_t* x8, float* d, int32_t* xs, float* fs) {
+  for (int64_t g = 0; g < K / kQ8Block; ++g) {
+    float v[kQ8Block], amax = 0.f, sum = 0.f;
+    for (int64_t j = 0; j < kQ8Block; ++j) {
+      v[j] = static_cast<float>(x[g * kQ8Block + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+      sum += v[j];
+    }
+    if (!std::isfinite(amax)) {  // inf or NaN in the block: no codes, and a non-finite result (d NaN)
+      for (int64_t j = 0; j < kQ8Block; ++j) x8[g * kQ8Block + j] = 0;
+      d[g] = std::numeric_limits<float>::quiet_NaN();
+      xs[g] = 0;
+      fs[g] = sum;
+      continue;
+    }
+    // the scale floored at FLT_MIN: a block of tiny values (max |x| < 127 / FLT_MAX) would make
+    // 127 / max |x| infinite, and the cast of an infinite code to int is undefined (it gave -127)
+    const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+    int32_t s = 0;
+    for (int64_t j = 0; j < kQ8Block; ++j) {
+      const float c = std::nearbyint(v[j] / scale);  // |c| <= 127
+      x8[g * kQ8Block + j] = static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
+      s += x8[g * kQ8Block + j];
+    }
+    d[g] = scale;
+    xs[g] = s;
+    fs[g] = sum;
+  }
+}
+
+// torch.ops.sfcl.int8_linear and torch.ops.sfcl.int8_q8_linear; see int8_linear.cpp.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 
 // The snapshot lookup's IVF pass (anchor_search.cpp): results written to S, I, F (B * k each), or
 // returned as tensors; bindings.cpp binds it (and its list-returning form, anchor_lookup).
