@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import contractnli_docs
 
-from sfcl.anchors.model_pass import flops_per_token, run_windows
+from sfcl.anchors.model_pass import flops_per_token, logit_stats, run_windows
+from sfcl.model import decode_kernel
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
 from sfcl.snapshot.triggers import attention_dispersion
@@ -76,3 +77,73 @@ def test_flops_per_token_counts_every_matmul_weight(lm):
     assert flops_per_token(lm.args, 0) == 2 * linear
     a = lm.args
     assert flops_per_token(lm.args, 512) - flops_per_token(lm.args, 0) == 4 * a.n_layers * a.n_heads * a.head_dim * 512
+
+
+def _torch_stats(logits, nxt, k):
+    """The same statistics from torch's operators in float64."""
+    x = logits.double()
+    lse = torch.logsumexp(x, -1)
+    tv, ti = x.topk(k, dim=-1)
+    return (tv - lse[:, None]).exp(), ti, lse - x.gather(1, nxt[:, None])[:, 0], lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 8, 37])
+def test_logit_stats_kernel_computes_what_torch_does(dtype, k):
+    """torch.ops.sfcl.logit_stats over rows of vocabulary size (and a width that is not a multiple
+    of 8): logsumexp and surprisal to float32 rounding, top-k probabilities likewise, and the top
+    ids a true top-k (their logits are the k largest, in order; ties keep the lower id first)."""
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+    g = torch.Generator().manual_seed(k)
+    for V in (49152, 1003):
+        x = (torch.randn(9, V, generator=g) * 4).to(dtype)
+        x[3, 100:110] = x[3].max() + 1  # a tie at the top: ids 100..109, in order
+        nxt = torch.randint(0, V, (9,), generator=g)
+        tp, ti, sur, lse = torch.ops.sfcl.logit_stats(x, nxt, k)
+        rp, ri, rs, rl = _torch_stats(x, nxt, k)
+        assert tp.dtype == sur.dtype == lse.dtype == torch.float32 and ti.dtype == torch.int64 and ti.shape == (9, k)
+        torch.testing.assert_close(lse.double(), rl, atol=0, rtol=2e-6)
+        torch.testing.assert_close(sur.double(), rs, atol=2e-5, rtol=2e-6)
+        torch.testing.assert_close(tp.double(), rp, atol=1e-7, rtol=2e-5)
+        vals = x.double().gather(1, ti)
+        assert torch.equal(vals, x.double().topk(k, dim=-1).values)  # the k largest, largest first
+        assert ti[3, : min(k, 10)].tolist() == list(range(100, 100 + min(k, 10)))
+
+
+def test_logit_stats_edge_rows_and_bad_arguments():
+    """A row holding NaN or +inf gives NaN statistics (the other rows are untouched); bad shapes,
+    dtypes, k and next ids raise RuntimeError naming the operator."""
+    if not decode_kernel.load():
+        pytest.skip(f"SFCL's native kernels could not be built here: {decode_kernel.why_unavailable()}")
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    x[2, 9] = float("inf")
+    tp, ti, sur, lse = torch.ops.sfcl.logit_stats(x, torch.zeros(3, dtype=torch.long), 4)
+    assert torch.isfinite(lse[0]) and torch.isnan(lse[1:]).all() and torch.isnan(sur[1:]).all()
+    assert torch.isnan(tp[1:]).all() and torch.isfinite(tp[0]).all()
+    nxt = torch.zeros(3, dtype=torch.long)
+    for bad in ((x.double(), nxt, 4), (x.t(), nxt, 4), (x, nxt[:2], 4), (x, nxt.int(), 4), (x, nxt, 0),
+                (x, nxt, 65), (x, torch.tensor([0, 64, 1]), 4), (x, torch.tensor([0, -1, 1]), 4), (x[0], nxt, 4)):
+        with pytest.raises(RuntimeError, match="logit_stats"):
+            torch.ops.sfcl.logit_stats(*bad)
+
+
+def test_logit_stats_without_the_kernels_is_torchs(monkeypatch):
+    """``model_pass.logit_stats`` without SFCL's kernels (or off CPU) takes torch's operators, and
+    both paths give the same statistics."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 4000, generator=g).to(torch.bfloat16)
+    nxt = torch.randint(0, 4000, (5,), generator=g)
+    monkeypatch.setattr(decode_kernel, "loaded", lambda: False)
+    p0, i0, s0 = logit_stats(x, nxt, 6)
+    rp, ri, rs, _ = _torch_stats(x, nxt, 6)
+    torch.testing.assert_close(s0.double(), rs, atol=2e-5, rtol=2e-6)
+    torch.testing.assert_close(p0.double(), rp, atol=1e-7, rtol=2e-5)
+    assert torch.equal(x.double().gather(1, i0), x.double().topk(6, dim=-1).values)
+    monkeypatch.undo()
+    if decode_kernel.load():
+        p1, i1, s1 = logit_stats(x, nxt, 6)
+        torch.testing.assert_close(s1, s0, atol=2e-5, rtol=2e-6)
+        torch.testing.assert_close(p1, p0, atol=1e-7, rtol=2e-5)
+        assert torch.equal(x.gather(1, i1), x.gather(1, i0))

@@ -186,6 +186,8 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     if not windows:
         raise ValueError("the corpus has no text to build anchors from")
     dtype = next(lm.model.parameters()).dtype
+    if next(lm.model.parameters()).device.type == "cpu":
+        decode_kernel.load(verbose=progress)  # the logits' reductions in one native pass (model_pass.logit_stats)
     lens = np.array([len(w[1]) for w in windows], np.float64)
     tokens = int(lens.sum())
     mean_attended = float((lens * (lens + 1) / 2).sum() / tokens)

@@ -10,8 +10,9 @@ returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers
 
 - the residual-stream hidden state after the snapshot layer (what the runner taps when serving);
 - the top-K next tokens and their probabilities, and the surprisal of the token that actually
-  followed: the logits are made ``LOGIT_ROWS`` rows at a time and reduced at once (top-K of the
-  logits, one logsumexp per row), so no (T, V) float32 log-softmax is ever materialised;
+  followed: the logits are made ``LOGIT_ROWS`` rows at a time and reduced at once (:func:`logit_stats`:
+  one native pass per row computing its logsumexp, top-K and surprisal), so no (T, V) float32
+  log-softmax is ever materialised;
 - the normalised attention entropy (dispersion) of query i at the snapshot layer
   (``sfcl.snapshot.triggers.attention_dispersion``, the serving rule), for every position.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sfcl.model import decode_kernel
 from sfcl.model.hardware import gemm_gflops
 from sfcl.snapshot.triggers import attention_dispersion
 
@@ -63,6 +65,21 @@ def gemm_rate(dtype: torch.dtype) -> float:
     """GFLOP/s of a window-sized GEMM (``RATE_SHAPE``) in ``dtype`` on the calling thread's torch
     threads (``sfcl.model.hardware.gemm_gflops``, best of ~0.25 s of calls)."""
     return gemm_gflops(dtype, RATE_SHAPE, budget_s=0.25)
+
+
+def logit_stats(logits: torch.Tensor, nxt: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a pass keeps of logits (c, V) in the model's dtype: top-K probabilities (c, K) float32
+    and ids (c, K) int64, largest first, and the surprisal (c,) float32 nats of the ids ``nxt`` (c,).
+    One native pass per row (``torch.ops.sfcl.logit_stats``, ``csrc/logit_stats.cpp``) on CPU once
+    SFCL's kernels are loaded; elsewhere torch's logsumexp / topk / gather in float32 (no (c, V)
+    log-softmax either way). The two agree to float32 rounding; tied logits may order differently."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and decode_kernel.loaded():
+        tp, ti, sur, _ = torch.ops.sfcl.logit_stats(logits.contiguous(), nxt, top_k)
+        return tp, ti, sur
+    logits = logits.float()
+    lse = torch.logsumexp(logits, -1)  # (c,)
+    tv, ti = logits.topk(top_k, dim=-1)  # (c, K)
+    return (tv - lse[:, None]).exp(), ti, lse - logits.gather(1, nxt[:, None])[:, 0]
 
 
 def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_dispersion: bool):
@@ -123,12 +140,10 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
     top_p, top_i, sur = [], [], []
     for c in range(0, rows.shape[0], LOGIT_ROWS):
         r = rows[c : c + LOGIT_ROWS]
-        logits = model.lm_head(model.norm(h[0, r])).float()  # (c, V)
-        lse = torch.logsumexp(logits, -1)  # (c,)
-        tv, ti = logits.topk(top_k, dim=-1)  # (c, K)
-        top_p.append((tv - lse[:, None]).exp())
+        tp, ti, s = logit_stats(model.lm_head(model.norm(h[0, r])), nxt[c : c + LOGIT_ROWS], top_k)
+        top_p.append(tp)
         top_i.append(ti)
-        sur.append(lse - logits.gather(1, nxt[c : c + LOGIT_ROWS, None])[:, 0])
+        sur.append(s)
     hid = tap[rows].float().cpu()  # (R, H)
     top_p, top_i, sur = torch.cat(top_p).cpu(), torch.cat(top_i).cpu(), torch.cat(sur).cpu()
     out, r0 = [], 0

@@ -8,7 +8,9 @@ layer of a decode-only step in one call; ``sfcl.model.decode_stack``), ``torch.o
 of torch's once the library is loaded; ``loaded``), ``torch.ops.sfcl.int8_q8_linear`` (the same file,
 the int8 weights' GEMV on int8 activations, where ``quant.int8_kernel`` picks it: CPUs below
 AVX-512), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``, the int4 weights' GEMV on int8
-activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: CPUs below AVX-512), and the module's ``anchor_search`` / ``anchor_lookup``
+activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: CPUs below AVX-512),
+``torch.ops.sfcl.logit_stats`` (``logit_stats.cpp``, the anchor builder's per-row logsumexp, top-k and
+surprisal in one pass; ``sfcl.anchors.model_pass``), and the module's ``anchor_search`` / ``anchor_lookup``
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
 
@@ -53,7 +55,7 @@ CSRC = Path(__file__).with_name("csrc")
 # one library; see also sfcl.model.decode_stack and sfcl.library.index (anchor_search)
 # bindings.cpp first: the slowest to compile (pybind11's headers), so ninja starts it while the others build
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
-                                   "int8_linear.cpp", "int4_linear.cpp"))
+                                   "int8_linear.cpp", "int4_linear.cpp", "logit_stats.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h",)
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
 # (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one).
@@ -65,7 +67,7 @@ HEADERS = (CSRC / "sfcl_kernels.h",)
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
-OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear")  # the torch operators a loaded library must register
+OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
@@ -199,7 +201,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search) with the C++ "
+        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, logit statistics) with the C++ "
               "compiler "
               "(once per machine kind, ~25 s on 2 cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))

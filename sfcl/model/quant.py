@@ -215,6 +215,18 @@ def _integer_activations() -> bool:
     return not torch.backends.cpu.get_cpu_capability().startswith("AVX512") and decode_kernel.load()
 
 
+def _gemv_choice(variable: str, choices: tuple[str, ...], integer: str, other: str) -> str:
+    """``$variable`` (one of ``choices``; ``auto`` when unset) -> ``integer`` (SFCL's kernel on int8
+    activations: asked for, or ``auto`` and ``_integer_activations``, and the kernels load) or
+    ``other``. Raises ValueError for a value not in ``choices``."""
+    want = os.environ.get(variable, "auto")
+    if want not in choices:
+        raise ValueError(f"{variable} must be one of {', '.join(choices)}, got {want!r}")
+    if want == other or (want == "auto" and not _integer_activations()):
+        return other
+    return integer if decode_kernel.load() else other
+
+
 def int4_kernel() -> str:
     """Which GEMV an int4 ``QuantLinear``'s packed path runs: ``"sfcl"`` (``torch.ops.sfcl.int4_linear``,
     int8 activations, SFCL's layout; ``csrc/int4_linear.cpp``) or ``"torch"``
@@ -222,12 +234,7 @@ def int4_kernel() -> str:
     (default): SFCL's where torch's CPU capability is below AVX-512 (there torch's int4 kernel read
     the weights at ~9 GB/s; ``scripts/profile_int4_linear.py``) and SFCL's native kernels load,
     else torch's. Raises ValueError for another value of the variable."""
-    want = os.environ.get("SFCL_INT4_KERNEL", "auto")
-    if want not in INT4_KERNELS:
-        raise ValueError(f"SFCL_INT4_KERNEL must be one of {', '.join(INT4_KERNELS)}, got {want!r}")
-    if want == "torch" or (want == "auto" and not _integer_activations()):
-        return "torch"
-    return "sfcl" if decode_kernel.load() else "torch"
+    return _gemv_choice("SFCL_INT4_KERNEL", INT4_KERNELS, "sfcl", "torch")
 
 
 def int8_kernel() -> str:
@@ -237,12 +244,7 @@ def int8_kernel() -> str:
     ``int4_kernel``'s rule (below AVX-512, where converting the codes to float made the lm_head's
     GEMV compute-bound: 1.87 against 1.36 ms, ``scripts/profile_int8_linear.py``), else ``bf16``.
     Raises ValueError for another value of the variable."""
-    want = os.environ.get("SFCL_INT8_KERNEL", "auto")
-    if want not in INT8_KERNELS:
-        raise ValueError(f"SFCL_INT8_KERNEL must be one of {', '.join(INT8_KERNELS)}, got {want!r}")
-    if want == "bf16" or (want == "auto" and not _integer_activations()):
-        return "bf16"
-    return "q8" if decode_kernel.load() else "bf16"
+    return _gemv_choice("SFCL_INT8_KERNEL", INT8_KERNELS, "q8", "bf16")
 
 
 def int4_q8_layout(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,24 +141,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(sz.dim() == 3 && sz.size(0) == NB && sz.size(1) == G && sz.size(2) == 16 &&
                   sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
               "int4_linear: sz must be a contiguous (N / 8, K / 32, 16) bfloat16 tensor");
-  std::vector<int8_t> x8(M * K);
-  std::vector<float> d(M * G), fs(M * G);
-  std::vector<int32_t> xs(M * G);
-  for (int64_t m = 0; m < M; ++m) {
-    if (x.scalar_type() == at::kFloat)
-      quantise_q8_row(x.data_ptr<float>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-    else if (x.scalar_type() == at::kBFloat16)
-      quantise_q8_row(x.data_ptr<at::BFloat16>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-    else
-      quantise_q8_row(x.data_ptr<at::Half>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-  }
+  const Q8Rows q8 = quantise_q8_rows(x);  // (M, K) codes, per block d, code sum, float sum
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* C = codes.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* Y = y.data_ptr<float>();
   if (M > 0)
     at::parallel_for(0, NB, kBlocksPerTask, [&](int64_t b0, int64_t b1) {
-      row_blocks(C, S, x8.data(), d.data(), xs.data(), fs.data(), M, G, N, Y, b0, b1);
+      row_blocks(C, S, q8.x8.data(), q8.d.data(), q8.xs.data(), q8.fs.data(), M, G, N, Y, b0, b1);
     });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

@@ -104,23 +104,13 @@ at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu(),
               "int8_q8_linear: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kQ8Block;
-  std::vector<int8_t> x8(M * K);
-  std::vector<float> d(M * G), fs(M * G);
-  std::vector<int32_t> xs(M * G);
-  for (int64_t m = 0; m < M; ++m) {
-    if (x.scalar_type() == at::kFloat)
-      quantise_q8_row(x.data_ptr<float>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-    else if (x.scalar_type() == at::kBFloat16)
-      quantise_q8_row(x.data_ptr<at::BFloat16>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-    else
-      quantise_q8_row(x.data_ptr<at::Half>() + m * K, K, &x8[m * K], &d[m * G], &xs[m * G], &fs[m * G]);
-  }
+  const Q8Rows q8 = quantise_q8_rows(x);  // (M, K) codes, per block d, code sum, float sum
   at::Tensor sf = scale.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y.to(x.scalar_type());
   const int8_t* W = w.data_ptr<int8_t>();
-  const int8_t* X8 = x8.data();
-  const float* D = d.data();
+  const int8_t* X8 = q8.x8.data();
+  const float* D = q8.d.data();
   const float* S = sf.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {

@@ -1,4 +1,4 @@
-// Declarations and helpers shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp).
+// Declarations and helpers shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp, logit_stats.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace sfcl {
 
@@ -180,6 +181,30 @@ void quantise_q8_row(const T* x, int64_t K, int8_t* x8, float* d, int32_t* xs, f
   }
 }
 
+// Every row of x (M, K) float32 / bfloat16 / float16, contiguous, K a multiple of 32, through
+// quantise_q8_row: x8 (M * K), and per row and block (M * K / 32) d, xs (code sums), fs (float sums).
+struct Q8Rows {
+  std::vector<int8_t> x8;
+  std::vector<float> d, fs;
+  std::vector<int32_t> xs;
+};
+inline Q8Rows quantise_q8_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / kQ8Block;
+  Q8Rows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* x8 = q.x8.data() + m * K;
+    float *d = q.d.data() + m * G, *fs = q.fs.data() + m * G;
+    int32_t* xs = q.xs.data() + m * G;
+    if (x.scalar_type() == at::kFloat)
+      quantise_q8_row(x.data_ptr<float>() + m * K, K, x8, d, xs, fs);
+    else if (x.scalar_type() == at::kBFloat16)
+      quantise_q8_row(x.data_ptr<at::BFloat16>() + m * K, K, x8, d, xs, fs);
+    else
+      quantise_q8_row(x.data_ptr<at::Half>() + m * K, K, x8, d, xs, fs);
+  }
+  return q;
+}
+
 // torch.ops.sfcl.int8_linear and torch.ops.sfcl.int8_q8_linear; see int8_linear.cpp.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
@@ -203,6 +228,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
 
 // torch.ops.sfcl.int4_linear; see int4_linear.cpp.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz);
+
+// torch.ops.sfcl.logit_stats; see logit_stats.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits,
+                                                                      const at::Tensor& next, int64_t k);
 
 // torch.ops.sfcl.decode_attention; see decode_attention.cpp and sfcl/model/decode_kernel.py.
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
