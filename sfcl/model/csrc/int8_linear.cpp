@@ -88,7 +88,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // int16 pair sum below 32,767), vpmaddwd to int32, one float FMA per block by d: 6 instructions per
 // 32 products against 12-16 for int8_linear's conversions to float, which made that kernel
 // compute-bound on AVX2 (the 49,152 x 576 lm_head, one row, after a 96 MB copy, AVX2 code paths of
-// an Intel Xeon: 1.36 against 1.87 ms; scripts/profile_int8_linear.py). A weight code of -128 counts
+// an Intel Xeon: 1.13 against 1.49 ms; scripts/profile_int8_linear.py). A weight code of -128 counts
 // as -127 (sfcl.model.quant.quantize_int8 makes codes in -127..127). The activations' rounding to
 // int8 is the approximation (relative error ~5e-3 on Gaussian activations, against ~2e-3 for the
 // bf16 activations QuantLinear gives int8_linear). Raises (RuntimeError) on other shapes or dtypes.
