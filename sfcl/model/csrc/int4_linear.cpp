@@ -69,9 +69,6 @@ inline __m256i group_dots(const __m256i q[8], const int8_t* x8) {
 #endif
 }
 
-inline __m256 bf16x8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
 #endif
 
 // Rows [b0, b1) of 8 of y (M, N) float32 for M activation rows.

@@ -85,9 +85,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 //   y[m, n] = scale[n] * sum_g d[m, g] * sum_{k in g} w[n, k] x8[m, k]
 //
 // AVX2: vpmaddubsw of |x8| with w carrying x8's sign (vpsignb; |x8| <= 127 and |w| <= 127 keep each
-// int16 pair sum below 32,767), vpmaddwd to int32, one float FMA per block by d: 6 instructions per
-// 32 products against 12-16 for int8_linear's conversions to float, which made that kernel
-// compute-bound on AVX2 (the 49,152 x 576 lm_head, one row, after a 96 MB copy, AVX2 code paths of
+// int16 pair sum below 32,767; |x8| taken once per call), vpmaddwd to int32, one float FMA per block
+// by d: 6 arithmetic instructions per 32 products against 12-16 for int8_linear's conversions to
+// float, which made that kernel compute-bound on AVX2 (the 49,152 x 576 lm_head, one row, after a 96 MB copy, AVX2 code paths of
 // an Intel Xeon: 1.13 against 1.49 ms; scripts/profile_int8_linear.py). A weight code of -128 counts
 // as -127 (sfcl.model.quant.quantize_int8 makes codes in -127..127). The activations' rounding to
 // int8 is the approximation (relative error ~5e-3 on Gaussian activations, against ~2e-3 for the
@@ -110,6 +110,9 @@ at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (M == 0 || N == 0) return y.to(x.scalar_type());
   const int8_t* W = w.data_ptr<int8_t>();
   const int8_t* X8 = q8.x8.data();
+  std::vector<int8_t> ax(q8.x8.size());  // |x8|, once per call, not once per weight row
+  for (size_t i = 0; i < ax.size(); ++i) ax[i] = static_cast<int8_t>(std::abs(int(q8.x8[i])));  // |x8| <= 127
+  const int8_t* AX = ax.data();
   const float* D = q8.d.data();
   const float* S = sf.data_ptr<float>();
   float* Y = y.data_ptr<float>();
@@ -118,6 +121,7 @@ at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
       const int8_t* wr = W + n * K;
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xr = X8 + m * K;
+        const int8_t* axr = AX + m * K;
         const float* dm = D + m * G;
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(-127);
@@ -125,7 +129,8 @@ at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
         for (int64_t g = 0; g < G; ++g) {
           const __m256i wv = _mm256_max_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * kQ8Block)), lo);
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + g * kQ8Block));
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones);
+          const __m256i axv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(axr + g * kQ8Block));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(axv, _mm256_sign_epi8(wv, xv)), ones);
           acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dm[g]), acc);
         }
         Y[m * N + n] = hsum256(acc) * S[n];

@@ -77,26 +77,17 @@ void row_stats(const T* x, int64_t V, int64_t k, int64_t nxt, float* top_p, int6
   std::vector<int64_t> ids(k, -1);
   int64_t v = 0;
 #if defined(__AVX2__)
-  if constexpr (std::is_same_v<T, float>) {
-    for (; v + 8 <= V; v += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + v);
-      int m = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
-      while (m) {
-        const int j = __builtin_ctz(m);
-        insert_top(vals.data(), ids.data(), k, x[v + j], v + j);
-        m &= m - 1;
-      }
-    }
-  } else {
-    for (; v + 8 <= V; v += 8) {
-      const __m256 xv = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + v))), 16));
-      int m = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
-      while (m) {
-        const int j = __builtin_ctz(m);
-        insert_top(vals.data(), ids.data(), k, load1(x, v + j), v + j);
-        m &= m - 1;
-      }
+  for (; v + 8 <= V; v += 8) {
+    __m256 xv;
+    if constexpr (std::is_same_v<T, float>)
+      xv = _mm256_loadu_ps(x + v);
+    else
+      xv = bf16x8(reinterpret_cast<const uint16_t*>(x + v));
+    int m = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
+    while (m) {
+      const int j = __builtin_ctz(m);
+      insert_top(vals.data(), ids.data(), k, load1(x, v + j), v + j);
+      m &= m - 1;
     }
   }
 #endif

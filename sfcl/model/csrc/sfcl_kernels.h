@@ -49,6 +49,13 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+#if defined(__AVX2__)
+// 8 bf16 values (bit patterns) -> 8 floats, exactly (a shift into the high half).
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
 #if defined(__AVX__)
 // Sum of the 8 lanes of a.
 inline float hsum256(__m256 a) {
