@@ -1,7 +1,7 @@
 """Time and profile the anchor builder's model pass (``sfcl.anchors.model_pass.run_windows``).
 
 Usage: python scripts/profile_model_pass.py [--windows 4] [--window-tokens 1024] [--reps 2] [--profile]
-       [--logit-stats both]
+       [--logit-stats both] [--elementwise both] [--ops]
 
 Runs the bundled model over ``--windows`` windows of the bundled sample corpus, prints the wall time
 per batch of windows against the floor the builder prints (FLOP of the pass / the GEMM rate probed
@@ -9,7 +9,12 @@ now, ``sfcl.anchors.model_pass.gemm_rate``), and with ``--profile`` the torch.pr
 top operators by self CPU time (how the share of causal SDPA in the pass was found).
 ``--logit-stats both`` alternates the logits' reductions rep by rep between SFCL's one-pass kernel
 (``torch.ops.sfcl.logit_stats``, the default once the kernels load) and torch's operators
-(``native`` / ``torch``: one of them only).
+(``native`` / ``torch``: one of them only). ``--elementwise both`` alternates, with SFCL's kernels
+loaded, a decoder layer's element-wise steps between SFCL's operators (``torch.ops.sfcl.rms_norm``,
+``silu_mul``, ``rope_``; ``sfcl.model.llama.native_rows``) and torch's (torch's logits reductions run
+with the kernels unloaded, so with torch's element-wise operators too). ``--ops`` first times each
+element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
+and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--logit-stats", choices=("native", "torch", "both"), default="native")
+    ap.add_argument("--elementwise", choices=("native", "torch", "both"), default="native")
+    ap.add_argument("--ops", action="store_true")
     a = ap.parse_args(argv)
 
     from sfcl.anchors.corpus import read_corpus, sample_corpus_files
     from sfcl.anchors.model_pass import flops_per_token, gemm_rate, run_windows
-    from sfcl.model import decode_kernel
+    from sfcl.model import decode_kernel, llama
     from sfcl.model.loader import load_model
 
     lm = load_model(None, dtype="auto")
@@ -42,32 +49,95 @@ def main(argv: list[str] | None = None) -> None:
     if len(wins[-1]) < W:
         raise SystemExit(f"the sample corpus has fewer than {a.windows} windows of {W} tokens")
     layer = lm.args.n_layers * 3 // 4
+    if a.ops:
+        _time_ops(lm, len(wins) * W)
     run_windows(lm.model, wins[:1], layer, 8)  # warm-up
     dtype = next(lm.model.parameters()).dtype
     rate = gemm_rate(dtype)
     floor = flops_per_token(lm.args, (W + 1) / 2) * W * len(wins) / (rate * 1e9)
     native = decode_kernel.load(verbose=False)
     loaded = decode_kernel.loaded
-    modes = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}[a.logit_stats]
+    native_rows = llama.native_rows
+    pick = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}
+    modes = list(dict.fromkeys((ls, ew if ls == "native" else "torch")  # torch's logits reductions: kernels unloaded
+                               for ls in pick[a.logit_stats] for ew in pick[a.elementwise]))
     try:
         for _ in range(a.reps):
-            for mode in modes:
-                decode_kernel.loaded = (lambda: False) if mode == "torch" else loaded
+            for ls, ew in modes:
+                decode_kernel.loaded = (lambda: False) if ls == "torch" else loaded
+                llama.native_rows = (lambda x: False) if ew == "torch" else native_rows
                 t = time.perf_counter()
                 run_windows(lm.model, wins, layer, 8)
                 dt = time.perf_counter() - t
-                which = "SFCL's logit_stats" if mode == "native" and native else "torch's logits reductions"
+                on = native and ls == "native"
+                which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
+                         + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops"))
                 print(f"{len(wins)} windows x {W} tokens ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
                       f"threads, {which}): {dt:.2f} s; floor {floor:.2f} s at {rate:.0f} GFLOP/s -> {dt / floor:.2f}x",
                       flush=True)
     finally:
         decode_kernel.loaded = loaded
+        llama.native_rows = native_rows
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as p:
             run_windows(lm.model, wins, layer, 8)
         print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def _time_ops(lm, rows: int) -> None:
+    """p50 of 30 calls of each element-wise step over ``rows`` rows: SFCL's operator vs torch's."""
+    import torch.nn.functional as F
+
+    from sfcl.model import decode_kernel
+    from sfcl.model.llama import apply_rope
+
+    if not decode_kernel.load(verbose=False):
+        print("--ops: SFCL's kernels are not loaded here")
+        return
+    ar, dt = lm.args, next(lm.model.parameters()).dtype
+    if dt not in (torch.bfloat16, torch.float16):
+        print(f"--ops: the model runs in {dt}, where torch's operators always run")
+        return
+    g = torch.Generator().manual_seed(0)
+    H, I, hd, nr = ar.hidden_size, ar.intermediate_size, ar.head_dim, ar.n_heads + ar.n_kv_heads
+    x, w = torch.randn(rows, H, generator=g).to(dt), torch.randn(H, generator=g).to(dt)
+    gu = torch.randn(rows, 2 * I, generator=g).to(dt)
+    qkv = torch.randn(rows, (nr + ar.n_kv_heads) * hd, generator=g).to(dt)
+    cos, sin = torch.randn(rows, hd, generator=g).to(dt), torch.randn(rows, hd, generator=g).to(dt)
+    eps = ar.rms_norm_eps
+
+    def torch_rms():
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+
+    cases = {
+        "RMSNorm": (lambda: torch.ops.sfcl.rms_norm(x, w, eps), torch_rms),
+        "SiLU x up": (lambda: torch.ops.sfcl.silu_mul(gu), lambda: F.silu(gu[:, :I]) * gu[:, I:]),
+        "rotary": (lambda: torch.ops.sfcl.rope_(qkv, cos, sin, nr, hd),
+                   lambda: apply_rope(qkv[:, :nr * hd].view(rows, nr, hd), cos[:, None], sin[:, None])),
+    }
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for th in sorted({1, threads}):
+                torch.set_num_threads(th)
+                for name, (ours, theirs) in cases.items():
+                    t = [_p50(f) for f in (ours, theirs)]
+                    print(f"{name}, {rows} rows, {th} thread(s): SFCL's {t[0]:.2f} ms, torch's {t[1]:.2f} ms", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _p50(fn, reps: int = 30) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[reps // 2] * 1e3
 
 
 if __name__ == "__main__":

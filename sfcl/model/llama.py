@@ -82,6 +82,17 @@ def args_from_config(cfg) -> LlamaArgs:
     )
 
 
+def native_rows(x: torch.Tensor) -> bool:
+    """Whether SFCL's element-wise operators (``torch.ops.sfcl.rms_norm`` / ``silu_mul`` / ``rope_``,
+    ``csrc/elementwise.cpp``) take ``x``: a contiguous bf16 / float16 CPU tensor, the kernel library
+    loaded (``decode_kernel.loaded``), no autograd, and not under torch.compile (which fuses these
+    steps itself). Elsewhere torch's operators run: the same arithmetic up to the order of RMSNorm's
+    float32 sum and SiLU's exp; float32 always takes torch's."""
+    return (not torch.compiler.is_compiling() and x.dtype in (torch.bfloat16, torch.float16)
+            and x.device.type == "cpu" and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())
+            and decode_kernel.loaded())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -91,6 +102,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.weight.dtype == x.dtype and native_rows(x):  # one pass over the rows
+            return torch.ops.sfcl.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 like the reference implementations, return the input dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -187,6 +200,11 @@ class Attention(nn.Module):
         B, T = (1, x.shape[0]) if x.dim() == 2 else x.shape[:2]  # (N, H): one step's tokens, B = 1
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         qkv = self.qkv_proj(x)  # (B, T, (nh + 2 nkv) hd)
+        if self.q_norm is None and cos.numel() == B * T * hd and native_rows(qkv):  # one row of cos per token
+            rows = torch.ops.sfcl.rope_(qkv.view(B * T, -1), cos.reshape(B * T, hd), sin.reshape(B * T, hd),
+                                        nh + nkv, hd)  # q and k heads rotated in place
+            qk = rows[:, :(nh + nkv) * hd].view(B, T, nh + nkv, hd)
+            return qk[:, :, :nh], qk[:, :, nh:], rows[:, (nh + nkv) * hd:].view(B, T, nkv, hd)
         if self.q_norm is None:
             qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd), cos, sin)  # (B, T, nh + nkv, hd)
             return qk[:, :, :nh], qk[:, :, nh:], qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd)
@@ -381,7 +399,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gu = self.gate_up_proj(x)  # (..., 2 I)
+        if native_rows(gu):
+            return self.down_proj(torch.ops.sfcl.silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
