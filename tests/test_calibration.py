@@ -161,6 +161,21 @@ def test_write_library_copies_and_merges_the_calibration(tmp_path):
         write_library(src, out, {})
 
 
+def test_write_library_from_a_root_copies_its_current_version(tmp_path):
+    """``sfcl anchors build --out ROOT`` writes ROOT/CURRENT + ROOT/v000N: calibrating ROOT copies the
+    version CURRENT names, which is the one serving ROOT loads (before: the whole root was copied
+    and its manifest not found, after the calibration's generation had run)."""
+    root = tmp_path / "lib"
+    for v, n in (("v0001", 3), ("v0002", 5)):
+        (root / v).mkdir(parents=True)
+        (root / v / "manifest.json").write_text(json.dumps({"calibration": {}, "n_anchors": n}))
+    (root / "CURRENT").write_text("v0001")
+    out = write_library(root, tmp_path / "cal", {"threshold_calibration": {"target_rate": 0.05}})
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["n_anchors"] == 3 and m["calibration"]["threshold_calibration"]["derived_from"] == str(root / "v0001")
+    assert not (out / "CURRENT").exists() and not (out / "v0002").exists()
+
+
 def test_thresholds_for_unseen_documents_keep_a_margin():
     rec = synthetic(6000)
     rng = np.random.default_rng(1)

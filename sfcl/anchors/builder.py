@@ -141,6 +141,12 @@ class PassStats:
         return self.seconds / self.floor_s if self.floor_s > 0 else float("inf")
 
 
+def _secs(s: float) -> str:
+    """Seconds for the build's log: whole seconds from 10 s, else two significant digits (a small
+    corpus's floor is well under a second)."""
+    return f"{s:.0f} s" if s >= 10 else f"{s:.2g} s"
+
+
 def _say(msg: str, progress: bool) -> None:
     """A build progress line: on stderr (``[ANCHOR] ...``) with progress bars, else to the log."""
     if progress:
@@ -196,7 +202,7 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     st = PassStats(tokens=tokens, windows=len(windows), tflop=tflop, gemm_gflops=rate, floor_s=tflop * 1e3 / rate)
     _say(f"model pass: {tokens:,} tokens in {len(windows)} windows, {tflop:.1f} TFLOP; GEMM {rate:.1f} GFLOP/s "
          f"({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, a "
-         + "x".join(map(str, RATE_SHAPE)) + f" GEMM) -> floor {st.floor_s:.0f} s", progress)
+         + "x".join(map(str, RATE_SHAPE)) + f" GEMM) -> floor {_secs(st.floor_s)}", progress)
     H, K, KP, DOC, SS, SE, SUR, D3, NA = [], [], [], [], [], [], [], [], []
     t0 = time.perf_counter()
     with tqdm(total=tokens, desc="anchors: model pass", unit="tok", unit_scale=True, disable=not progress) as bar:
@@ -216,7 +222,7 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
                 NA.append(np.arange(SKIP_POSITIONS + 3, T + 1, dtype=np.int64))  # query j+2 attends j+3 positions
                 bar.update(T)
     st.seconds = time.perf_counter() - t0
-    _say(f"model pass: {st.seconds:.0f} s, {tflop * 1e3 / st.seconds:.1f} GFLOP/s, {st.ratio:.2f}x the floor", progress)
+    _say(f"model pass: {_secs(st.seconds)}, {tflop * 1e3 / st.seconds:.1f} GFLOP/s, {st.ratio:.2f}x the floor", progress)
     col = _Collected(hidden=torch.cat(H), next_ids=torch.cat(K), next_probs=torch.cat(KP),
                      doc=np.concatenate(DOC), span_start=np.concatenate(SS), span_end=np.concatenate(SE),
                      surprisal=np.concatenate(SUR), d3=np.concatenate(D3), n_attended=np.concatenate(NA))
@@ -454,8 +460,8 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     t_cal = time.perf_counter() - t0
     seconds = {"model_pass": round(stats.seconds, 2), "kmeans": round(t_kmeans, 2), "calibration": round(t_cal, 2),
                "total": round(time.perf_counter() - t_start, 2)}
-    _say(f"built in {seconds['total']:.0f} s: model pass {stats.seconds:.0f} s ({stats.ratio:.2f}x its "
-         f"{stats.floor_s:.0f} s floor), k-means {t_kmeans:.0f} s, calibration {t_cal:.0f} s", progress)
+    _say(f"built in {_secs(seconds['total'])}: model pass {_secs(stats.seconds)} ({stats.ratio:.2f}x its "
+         f"{_secs(stats.floor_s)} floor), k-means {_secs(t_kmeans)}, calibration {_secs(t_cal)}", progress)
     save = (lambda **f: write_version(out_dir, f, command=command)) if versioned else \
         (lambda **f: save_library(out_dir, **f))
     path = save(

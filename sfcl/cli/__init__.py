@@ -34,7 +34,8 @@ from sfcl.cli import eval as eval_cli  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sfcl", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="sfcl", description="SFCL: an LLM inference server with an event-triggered "
+                                 "semantic fidelity check. Commands below; `sfcl COMMAND --help` for each.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve.add_parser(sub)
     generate.add_parser(sub)

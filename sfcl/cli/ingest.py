@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from sfcl.cli.flags import FMT
 
@@ -17,7 +18,7 @@ def cmd_ingest(a: argparse.Namespace) -> int:
     policy = LengthPolicy(min_chars=a.min_chars, max_chars=a.max_chars, long=a.long)
     report = ingest(a.files, a.out, policy, progress=not a.quiet)
     print(format_summary(report))
-    print(f"wrote {a.out}/paragraphs.jsonl and {a.out}/report.json", file=sys.stderr)
+    print(f"wrote {Path(a.out) / 'paragraphs.jsonl'} and {Path(a.out) / 'report.json'}", file=sys.stderr)
     t = report["totals"]
     if t["paragraphs"] == 0:
         print("sfcl: error: nothing was ingested", file=sys.stderr)

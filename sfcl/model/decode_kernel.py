@@ -25,7 +25,7 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
 The sources are compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
--march=native`` or ``$SFCL_KERNEL_MARCH``; ~25 s on 2 cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
+-march=native`` or ``$SFCL_KERNEL_MARCH``; ~40 s on 2 idle cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
 hashes the sources, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
@@ -208,10 +208,13 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     _put_ninja_on_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, logit statistics, element-wise steps of prompt rows) with the C++ "
-              "compiler "
-              "(once per machine kind, ~25 s on 2 cores) ...", file=sys.stderr, flush=True)
+        print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, "
+              f"logit statistics, element-wise steps of prompt rows: {len(SOURCES)} files) with the C++ compiler "
+              "(once per machine kind, ~40 s on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
+    done = threading.Event()
+    if verbose:
+        threading.Thread(target=_report_build, args=(work, done), name="sfcl-kernel-build", daemon=True).start()
     try:
         mod = cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                        build_directory=str(work), is_python_module=True, verbose=False)  # builds and imports it from `work`
@@ -221,8 +224,19 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
         os.replace(digest, _digest_path(final))  # the digest first, then the library: a reader that sees
         os.replace(built, final)  # a pair from two concurrent builds finds a mismatch and builds again
     finally:
+        done.set()
         shutil.rmtree(work, ignore_errors=True)
     return mod
+
+
+def _report_build(work: Path, done: threading.Event, every_s: float = 15.0) -> None:
+    """Until ``done``: every ``every_s`` seconds one stderr line with the object files compiled so far
+    in ``work`` (ninja's build directory) out of ``SOURCES``, so a slow build is not taken for a hang."""
+    t0 = time.perf_counter()
+    while not done.wait(every_s):
+        n = len(list(work.glob("*.o")))
+        print(f"[ENGINE] compiling SFCL's kernels: {n}/{len(SOURCES)} files after {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
 
 
 def loaded() -> bool:

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sfcl.library.versions import resolve_library_dir
 from sfcl.snapshot import entity
 from sfcl.snapshot.lookback import LookbackModel
 from sfcl.snapshot.source import number_support
@@ -289,10 +290,14 @@ def select_triggers(signals: torch.Tensor, unsupported: np.ndarray, enabled=TRIG
 def write_library(src: Path, out: Path, calibration: dict) -> Path:
     """Copy library ``src`` to ``out`` (must not exist or be empty) with ``calibration`` entries
     (``thresholds``, ``dispersion_by_length``, ``lookback``, ``threshold_calibration``, ...)
-    merged into its manifest's ``calibration``. The data files and their checksums are unchanged.
-    Raises FileExistsError when ``out`` holds files."""
+    merged into its manifest's ``calibration``. ``src`` may be a library root (``sfcl anchors
+    build --out``): its current version is copied (``resolve_library_dir``), as serving it would
+    load that one. The data files and their checksums are unchanged.
+    Raises FileExistsError when ``out`` holds files, AnchorLibraryError for a root whose CURRENT
+    names no version."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; write the calibrated library to a new directory")
+    src = resolve_library_dir(src)
     if out.exists():
         out.rmdir()
     shutil.copytree(src, out)
