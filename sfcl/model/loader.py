@@ -165,9 +165,9 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
         state = load_file(cache / "weights.safetensors")
         inv_freq, scaling = state.pop("__inv_freq__"), meta["attention_scaling"]
     else:
-        where = f"; cached in {cache}" if cache is not None else ""
-        print(f"[MODEL] reading {src.path.name} with transformers (the first load only: ~10-30 s on 2 cores, "
-              f"most of it parsing the file's metadata{where}) ...", file=sys.stderr, flush=True)
+        once = f"the first load only, then cached in {cache}: " if cache is not None else ""
+        print(f"[MODEL] reading {src.path.name} with transformers ({once}~10-30 s on 2 cores, most of it parsing "
+              "the file's metadata) ...", file=sys.stderr, flush=True)
         cfg, args, tok, state, (inv_freq, scaling) = _load_hf(src)
     model = LlamaModel(args, inv_freq, scaling)
     load_weights(model, state)
