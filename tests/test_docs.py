@@ -55,3 +55,15 @@ def test_mkdocs_build_strict_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
+
+
+def test_api_limits_match_the_code():
+    """docs/api.md's table of request limits states the constants the server enforces."""
+    from sfcl.engine.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+    from sfcl.server.parsing import MAX_BODY_BYTES, OFF_LOOP_BYTES
+    from sfcl.text import QUOTE_CHARS
+
+    api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    assert f"at most {MAX_STOP_SEQUENCES}, each 1-{MAX_STOP_CHARS} characters" in api
+    assert f"| {MAX_BODY_BYTES // 2**20} MiB |" in api and f"over {OFF_LOOP_BYTES // 2**10} KiB" in api
+    assert f"at most {QUOTE_CHARS} characters" in api

@@ -135,6 +135,20 @@ def test_bad_requests_get_api_errors_not_500(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_prompt_far_over_the_window_is_refused_before_tokenizing(server):
+    """BUG: a 10 MB prompt was tokenized (~10 s of CPU) before it was refused. The bundled
+    tokenizer's longest token is 81 characters, so 800k characters are at least 9877 tokens: the
+    error says "at least", which only the check before tokenizing does."""
+    url, _ = server
+    long = [{"role": "user", "content": "x " * 400_000}]
+    r = httpx.post(url + "/v1/messages", timeout=60,
+                   json={"model": "smollm2-135m-instruct", "max_tokens": 10, "messages": long})
+    assert r.status_code == 400 and "prompt is too long: at least 9877 tokens" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": "smollm2-135m-instruct", "messages": long})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and "at least" in err["message"]
+
+
 @pytest.mark.parametrize("signals, timeout, rc", [("SIGTERM", 2, 0), ("SIGINT SIGINT", 60, 130)])
 def test_shutdown_ends_open_streams_with_an_overloaded_error(nda_library, cache_dir, tmp_path, signals, timeout, rc):
     """SIGTERM: open streams get --shutdown-timeout, then end with an overloaded_error event, exit 0.

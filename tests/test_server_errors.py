@@ -403,3 +403,150 @@ def test_scalar_fields_of_the_wrong_json_type_are_400_naming_the_field(url, fiel
     # the JSON types themselves still pass, an integer where a number is asked for included
     assert post(url, A, a_body(temperature=0, top_p=1, max_tokens=3, stream=False)).status_code == 200
     assert post(url, O, o_body(temperature=1, top_p=1, max_tokens=3, seed=7)).status_code == 200
+
+
+# -- resource limits (break-it report s18) --------------------------------------------------
+
+def test_stop_sequences_are_capped_in_count_and_length(url):
+    """BUG: 1M stop strings were accepted; the engine thread checks each one per generated token,
+    which slowed every stream in the batch 3.5x. Both APIs share one cap (check_stop)."""
+    from sfcl.engine.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+    many = [f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1)]
+    long = "x" * (MAX_STOP_CHARS + 1)
+    msg = anthropic_error(post(url, A, a_body(stop_sequences=many)), 400, "invalid_request_error")
+    assert msg == f"stop_sequences: at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(many)}"
+    msg = anthropic_error(post(url, A, a_body(stop_sequences=["ok", long])), 400, "invalid_request_error")
+    assert msg.startswith(f"stop_sequences: stop sequence 1 has {len(long)} characters; at most {MAX_STOP_CHARS}")
+    assert openai_error(post(url, O, o_body(stop=many)), 400, "stop")["message"].startswith("stop: at most")
+    assert openai_error(post(url, O, o_body(stop=long)), 400, "stop")["message"].startswith("stop: stop sequence 0")
+    # the limits themselves are fine
+    at_cap = [f"s{i}" for i in range(MAX_STOP_SEQUENCES - 1)] + ["y" * MAX_STOP_CHARS]
+    assert post(url, A, a_body(stop_sequences=at_cap)).status_code == 200
+    assert post(url, O, o_body(stop=at_cap, max_tokens=3)).status_code == 200
+
+
+def _parse_ran_on_the_loop(monkeypatch) -> list[bool]:
+    """Record, for each request body validated from now on, whether it ran on an event loop."""
+    import asyncio
+
+    from sfcl.server import parsing
+    seen: list[bool] = []
+    real = parsing.parse_model
+
+    def spy(model_cls, data):
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:
+            seen.append(False)
+        return real(model_cls, data)
+
+    monkeypatch.setattr(parsing, "parse_model", spy)
+    return seen
+
+
+def test_large_bodies_are_decoded_and_validated_off_the_event_loop(url, monkeypatch):
+    """BUG: json.loads, the surrogate scan and pydantic ran on the event loop: a 25 MB body stalled
+    /health and every open stream for ~5 s. Bodies over OFF_LOOP_BYTES go to a worker thread (the
+    same errors come back); small ones stay on the loop."""
+    from sfcl.server.parsing import OFF_LOOP_BYTES
+    seen = _parse_ran_on_the_loop(monkeypatch)
+    assert post(url, A, a_body()).status_code == 200
+    big = [{"role": "user", "content": "x"}] * (OFF_LOOP_BYTES // 20) + [{"role": "user", "content": 5}]
+    assert len(json.dumps(a_body(messages=big))) > OFF_LOOP_BYTES
+    msg = anthropic_error(post(url, A, a_body(messages=big)), 400, "invalid_request_error")
+    assert msg.startswith(f"messages.{len(big) - 1}.content:"), msg
+    openai_error(post(url, O, o_body(messages=big)), 400, f"messages.{len(big) - 1}.content")
+    assert seen == [True, False, False]
+    # the body's own errors are the same off the loop: bad JSON, a lone surrogate
+    padding = " " * OFF_LOOP_BYTES
+    assert anthropic_error(post(url, A, content=b'{"model": ' + padding.encode()), 400,
+                           "invalid_request_error").startswith("body: invalid JSON")
+    raw = f'{{"model": "fake-model", "max_tokens": 5, "messages": [{{"role": "user", "content": "\\ud800"}}]{padding}}}'
+    assert "lone UTF-16 surrogate" in openai_error(post(url, O, content=raw.encode()), 400,
+                                                   "messages.0.content")["message"]
+
+
+def test_large_body_does_not_stall_health(serve):
+    """The event loop keeps answering while a multi-megabyte body is decoded (generous margin:
+    on the loop, this body took seconds on 2 cores)."""
+    url, _ = serve()
+    big = json.dumps(a_body(messages=[{"role": "user", "content": "x"}] * 400_000
+                                     + [{"role": "user", "content": 5}])).encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, url, A, content=big)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        health_s = time.monotonic() - t0
+        assert fut.result().status_code == 400
+    assert health_s < 1.0
+
+
+def test_prompt_certainly_longer_than_the_window_is_rejected_before_tokenizing(serve):
+    """BUG: a 10 MB prompt was tokenized (~10 s of CPU) before the context check rejected it.
+    With a bound of 4 characters per token, 200 characters are at least 50 tokens > 32."""
+    url, engine = serve(FakeEngine(max_model_len=32, max_token_chars=4))
+    long = [{"role": "user", "content": "y" * 200}]
+    msg = anthropic_error(post(url, A, a_body(messages=long)), 400, "invalid_request_error")
+    assert msg == "messages: prompt is too long: at least 50 tokens > 31 maximum"
+    err = openai_error(post(url, O, o_body(messages=long)), 400, "messages")
+    assert err["code"] == "context_length_exceeded" and "at least 50 tokens" in err["message"]
+    msg = anthropic_error(post(url, A, a_body(messages=[{"role": "user", "content": "y" * 100}],
+                                              system="z" * 28)), 400, "invalid_request_error")
+    assert "at least 32 tokens" in msg  # the system prompt counts too
+    assert engine.encoded == []  # none of them was tokenized
+    # under the bound: tokenized and checked as before (one word token here)
+    assert post(url, A, a_body(messages=[{"role": "user", "content": "y" * 120}])).status_code == 200
+    assert len(engine.encoded) == 1
+
+
+def test_client_disconnect_during_upload_is_logged_as_499_without_traceback(serve, caplog):
+    """BUG: a client that left while sending its body (Content-Length 500, 13 bytes sent) was
+    logged as a 500 "unhandled error" with a ~50-line traceback (starlette's ClientDisconnect)."""
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    caplog.set_level(logging.INFO, logger="sfcl.requests")
+    url, engine = serve()
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    for path in (O, A):
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 500\r\n\r\n{{\"model\":\"x\"}}".encode())
+            time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    lines: list[dict] = []
+    while len(lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sfcl.requests"]
+    assert [(line["route"], line["status"], line["error"]) for line in lines] == [
+        (O, 499, "client_closed"), (A, 499, "client_closed")]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "Traceback" not in caplog.text and engine.requests == []
+    assert post(url, O, o_body(max_tokens=3)).status_code == 200  # the server is fine
+
+
+def test_error_messages_clip_the_values_they_quote(url):
+    """BUG: ``"steer": "source+" * 2000000`` got a 400 whose message quoted the 14 MB value in
+    full. Quoted values are clipped to QUOTE_CHARS (sfcl.text.quote), keys and model names too."""
+    from sfcl.text import QUOTE_CHARS
+    r = post(url, A, a_body(steer="source+" * 200_000))
+    msg = anthropic_error(r, 400, "invalid_request_error")
+    assert msg.startswith("steer: invalid value 'source+source+") and "…; expected true, false" in msg
+    assert len(r.content) < 600
+    err = openai_error(post(url, O, o_body(steer=["cad"] * 100_000 + ["nope"])), 400, "steer")
+    assert len(err["message"]) < 400
+    err = openai_error(post(url, O, o_body(model="m" * 100_000)), 404, "model")
+    assert "m" * QUOTE_CHARS + "…" in err["message"] and len(err["message"]) < 300
+    msg = anthropic_error(post(url, A, a_body(model="m" * 100_000)), 404, "not_found_error")
+    assert len(msg) < 300
+    key = "k" * 100_000
+    err = openai_error(post(url, O, {**o_body(), key: 1}), 400)
+    assert err["param"] == "k" * QUOTE_CHARS + "…" and len(err["message"]) < 300
+    raw = '{"model": "fake-model", "max_tokens": 5, "messages": [], "%s\\ud800": 1}' % key
+    err = openai_error(post(url, O, content=raw.encode()), 400)
+    assert len(err["param"]) == QUOTE_CHARS + 1 and "surrogate" in err["message"]
+    r = httpx.get(url + "/" + "p" * 10_000, timeout=10)
+    assert r.status_code == 404 and len(r.content) < 400

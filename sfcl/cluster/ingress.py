@@ -33,6 +33,7 @@ from sfcl.engine.block_manager import block_hashes
 from sfcl.engine.events import EngineEvent, ErrorEvent, Finished
 from sfcl.engine.protocol import EngineBusyError
 from sfcl.engine.request import SamplingParams
+from sfcl.engine.token_bound import max_token_chars
 
 log = logging.getLogger("sfcl.cluster")
 REPLICA_LOST = "the engine replica serving this request stopped; the response is incomplete"
@@ -69,6 +70,7 @@ class ClusterEngine:
         self.max_model_len = info.max_model_len
         self.snapshots_available = info.snapshots_available
         self.tokenizer = info.tokenizer
+        self.max_token_chars = max_token_chars(info.tokenizer)
         self.metrics = ClusterMetrics(hub_handle, info.n_anchors)
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:

@@ -25,6 +25,7 @@ from sfcl.engine.protocol import EngineBusyError
 from sfcl.engine.request import SamplingParams
 from sfcl.engine.scheduler import QueueFullError
 from sfcl.engine.threads import run_on_scratch_thread, set_thread_count
+from sfcl.engine.token_bound import max_token_chars
 
 log = logging.getLogger("sfcl.engine")
 
@@ -260,6 +261,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.max_token_chars = max_token_chars(tokenizer)
         self.snapshots_available = engine.runner.snapshotter is not None
         self._extra_health = extra_health or {}
         self.metrics = metrics  # sfcl.metrics.PrometheusStatLogger, built by the caller (sfcl.engine_stack)

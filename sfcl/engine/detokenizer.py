@@ -25,7 +25,10 @@ class DetokState:
 
 
 class IncrementalDetokenizer:
-    """One per request. ``add(token_id) -> (text_to_send, stop_hit)``; ``flush() -> text``."""
+    """One per request. ``add(token_id) -> (text_to_send, stop_hit)``; ``flush() -> text``.
+
+    Each ``add`` searches every stop sequence and tries hold-backs up to the longest one's length:
+    ``sfcl.engine.request.check_stop`` bounds both for requests (``SamplingParams``)."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tok = tokenizer

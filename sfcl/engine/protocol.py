@@ -25,6 +25,9 @@ class EngineClient(Protocol):
     model_name: str  # id reported by /v1/models and in responses
     max_model_len: int  # context window in tokens (prompt + generated)
     snapshots_available: bool  # False when no anchor library is loaded
+    # the most characters one token stands for (sfcl.engine.token_bound.max_token_chars): prompts
+    # certainly longer than the context window are rejected before tokenizing; None: no such bound
+    max_token_chars: int | None
 
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
         """Apply the tokenizer's chat template (generation prompt added) and tokenize.

@@ -11,13 +11,31 @@ from sfcl.snapshot.mechanisms import parse_steer
 
 TAG_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
+# Stop sequences per request: the detokenizer (sfcl.engine.detokenizer) checks every one of them,
+# and holds back up to the longest one's length, on the engine thread for every generated token,
+# so an unbounded list slows every stream in the batch. OpenAI's API allows 4 stops.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+
+
+def check_stop(stop: list[str]) -> None:
+    """Raises ValueError (its message names no field) unless ``stop`` is at most
+    ``MAX_STOP_SEQUENCES`` non-empty strings of at most ``MAX_STOP_CHARS`` characters each."""
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or s == "":
+            raise ValueError("stop sequences must be non-empty strings")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop sequence {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings.
 
     temperature == 0 means greedy (argmax). top_p in (0, 1]. max_tokens >= 1 counts generated
-    tokens. stop: strings that end generation; they never appear in the output.
+    tokens. stop: strings that end generation; they never appear in the output (``check_stop``).
     Raises ValueError on out-of-range values.
     """
 
@@ -46,8 +64,7 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.snapshot_mode not in SNAPSHOT_MODES:
             raise ValueError(f"snapshot mode must be one of {', '.join(SNAPSHOT_MODES)}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError("stop sequences must be non-empty strings")
+        check_stop(self.stop)
         if self.tag is not None and not TAG_RE.fullmatch(self.tag):
             raise ValueError("tag must be 1-64 characters of letters, digits, '_', '-', '.', ':'")
 

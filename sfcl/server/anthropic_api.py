@@ -27,9 +27,10 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, stop_list
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import named_event
+from sfcl.text import clip
 
 router = APIRouter()
 ROUTE = "/v1/messages"
@@ -97,14 +98,16 @@ def to_engine_messages(req: MessagesRequest) -> list[dict]:
     return out
 
 
-def check_context(engine: EngineClient, prompt_len: int, max_tokens: int) -> None:
+def check_context(engine: EngineClient, prompt_len: int, max_tokens: int, at_least: bool = False) -> None:
+    """Raises ApiError 400 (Anthropic's wording) unless a prompt of ``prompt_len`` tokens
+    (``at_least``: a lower bound, said so in the message) and ``max_tokens`` fit the window."""
     limit = engine.max_model_len
     if max_tokens > limit:
-        raise ApiError(400, f"max_tokens: {max_tokens} > {limit}, which is the maximum allowed "
+        raise ApiError(400, f"max_tokens: {clip(str(max_tokens))} > {limit}, which is the maximum allowed "
                             f"number of output tokens for {engine.model_name}", param="max_tokens")
     if prompt_len >= limit:
-        raise ApiError(400, f"messages: prompt is too long: {prompt_len} tokens > "
-                            f"{limit - 1} maximum", param="messages")
+        raise ApiError(400, f"messages: prompt is too long: {'at least ' if at_least else ''}{prompt_len} "
+                            f"tokens > {limit - 1} maximum", param="messages")
     if prompt_len + max_tokens > limit:
         raise ApiError(400, f"max_tokens: input length and `max_tokens` exceed context limit: "
                             f"{prompt_len} + {max_tokens} > {limit}, decrease input length or "
@@ -171,14 +174,12 @@ class MessagesApi(ApiAdapter):
     def prepare(self, req: MessagesRequest) -> Prompt:
         messages = to_engine_messages(req)
         system = _text(req.system) or None
-        if any(s == "" for s in req.stop_sequences or []):
-            raise ApiError(400, "stop_sequences: stop sequences must be non-empty strings",
-                           param="stop_sequences")
-        return Prompt(messages, system, list(req.stop_sequences or []), seed=None,
+        return Prompt(messages, system, stop_list(req.stop_sequences, "stop_sequences"), seed=None,
                       requested_max_tokens=req.max_tokens)
 
-    def max_tokens(self, engine: EngineClient, req: MessagesRequest, prompt_len: int) -> int:
-        check_context(engine, prompt_len, req.max_tokens)
+    def max_tokens(self, engine: EngineClient, req: MessagesRequest, prompt_len: int,
+                   at_least: bool = False) -> int:
+        check_context(engine, prompt_len, req.max_tokens, at_least)
         return req.max_tokens
 
     def framing(self, request: Request, rid: str, req: MessagesRequest, prompt_tokens: int) -> Framing:

@@ -35,7 +35,7 @@ from sfcl.server.auth import check_api_key
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
-from sfcl.server.parsing import read_json
+from sfcl.server.parsing import read_body, read_json
 from sfcl.server.request_log import setup_request_logger
 
 
@@ -127,7 +127,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         (Anthropic when it sends ``anthropic-version``); a refused library leaves the old one."""
         openai = error_style(request) == "openai"
         check_api_key(request, openai=openai)
-        body = await request.body()
+        body = await read_body(request)
         path = None
         if body.strip():
             data = await read_json(request)

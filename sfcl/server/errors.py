@@ -27,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sfcl.text import clip
+
 log = logging.getLogger("sfcl.server")
 
 Style = Literal["anthropic", "openai"]
@@ -80,6 +82,11 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+class ClientGone(Exception):
+    """The client disconnected before its response was sent: while uploading its body, or while
+    a non-streaming response was generated. Logged as 499 ``client_closed``; nothing is sent."""
+
+
 def anthropic_type_for(status: int) -> str:
     if status in _ANTHROPIC_TYPES:
         return _ANTHROPIC_TYPES[status]
@@ -121,8 +128,13 @@ def utf8_safe(text: str | None) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# An error message never grows past this (the sites that quote a client's value clip it with
+# ``sfcl.text.quote``; this is the backstop for any that does not)
+MAX_MESSAGE_CHARS = 2000
+
+
 def error_body(err: ApiError, style: Style) -> dict:
-    message = utf8_safe(err.message) or ""
+    message = clip(utf8_safe(err.message) or "", MAX_MESSAGE_CHARS)
     if style == "anthropic":
         return anthropic_error_body(err.type or anthropic_type_for(err.status), message)
     return openai_error_body(message, type=err.openai_type or openai_type_for(err.status),
@@ -154,7 +166,8 @@ def clean_loc(loc: Sequence[Any]) -> tuple:
 
 
 def format_loc(loc: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in loc) or "body"
+    """``messages.0.content``; a client's key in it (an unknown field) is clipped (``sfcl.text.clip``)."""
+    return ".".join(clip(str(p)) for p in loc) or "body"
 
 
 def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
@@ -222,6 +235,8 @@ class CatchAllMiddleware:
 
     Sits inside Starlette's ServerErrorMiddleware so nothing reaches it (and so no traceback ever
     reaches the client). If the response had already started, the connection is just closed.
+    ``ClientGone`` (the client left, e.g. while uploading its body) is logged in one line, without
+    a traceback, and answered with nothing.
     """
 
     def __init__(self, app: ASGIApp):
@@ -241,6 +256,8 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientGone:  # nobody to answer, nothing went wrong on our side
+            log.info("client disconnected from %s %s", scope.get("method"), scope.get("path"))
         except Exception:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
@@ -259,10 +276,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         status = exc.status_code
         if status == 404:
-            message = f"Not found: {request.method} {request.url.path}"
+            message = f"Not found: {request.method} {clip(request.url.path)}"
             err = ApiError(404, message, code="not_found" if error_style(request) == "openai" else None)
         elif status == 405:
-            err = ApiError(405, f"Method {request.method} not allowed on {request.url.path}")
+            err = ApiError(405, f"Method {clip(request.method)} not allowed on {clip(request.url.path)}")
         else:
             err = ApiError(status, str(exc.detail))
         err.headers.update(exc.headers or {})

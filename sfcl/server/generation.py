@@ -24,7 +24,7 @@ from fastapi import Request
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.engine.request import SamplingParams
-from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable
+from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, ClientGone, jsonable
 from sfcl.server.request_log import RequestLog
 
 log = logging.getLogger("sfcl.server")
@@ -152,10 +152,6 @@ async def start_generation(request: Request, prompt_ids: list[int], params: Samp
         await events.aclose()
         raise engine_error(first, openai)
     return events, first
-
-
-class ClientGone(Exception):
-    """The client disconnected while a non-streaming response was being generated."""
 
 
 @dataclass

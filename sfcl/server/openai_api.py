@@ -25,7 +25,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, stop_list
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import DONE, comment_event, data_event
 
@@ -78,13 +78,16 @@ def to_engine_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def resolve_max_tokens(engine: EngineClient, req: ChatCompletionRequest, prompt_len: int) -> int:
-    """``max_completion_tokens`` > ``max_tokens`` > what is left of the context window."""
+def resolve_max_tokens(engine: EngineClient, req: ChatCompletionRequest, prompt_len: int,
+                       at_least: bool = False) -> int:
+    """``max_completion_tokens`` > ``max_tokens`` > what is left of the context window; raises
+    ApiError 400 ``context_length_exceeded`` when a prompt of ``prompt_len`` tokens (``at_least``:
+    a lower bound, said so in the message) and the request do not fit."""
     limit = engine.max_model_len
     if prompt_len >= limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, "
-                            f"your messages resulted in {prompt_len} tokens. Please reduce the "
-                            "length of the messages.", param="messages",
+                            f"your messages resulted in {'at least ' if at_least else ''}{prompt_len} "
+                            "tokens. Please reduce the length of the messages.", param="messages",
                        code="context_length_exceeded")
     requested = req.max_completion_tokens or req.max_tokens
     if requested is None:
@@ -163,14 +166,12 @@ class ChatCompletionsApi(ApiAdapter):
         if req.n not in (None, 1):
             raise ApiError(400, "n: only n=1 is supported", param="n")
         messages = to_engine_messages(req)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if any(s == "" for s in stop):
-            raise ApiError(400, "stop: stop sequences must be non-empty strings", param="stop")
-        return Prompt(messages, None, stop, seed=req.seed,
+        return Prompt(messages, None, stop_list(req.stop, "stop"), seed=req.seed,
                       requested_max_tokens=req.max_completion_tokens or req.max_tokens)
 
-    def max_tokens(self, engine: EngineClient, req: ChatCompletionRequest, prompt_len: int) -> int:
-        return resolve_max_tokens(engine, req, prompt_len)
+    def max_tokens(self, engine: EngineClient, req: ChatCompletionRequest, prompt_len: int,
+                   at_least: bool = False) -> int:
+        return resolve_max_tokens(engine, req, prompt_len, at_least)
 
     def framing(self, request: Request, rid: str, req: ChatCompletionRequest, prompt_tokens: int) -> Framing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

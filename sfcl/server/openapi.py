@@ -1,6 +1,6 @@
 """The OpenAPI document (``GET /openapi.json``), completed by hand where FastAPI cannot see.
 
-The POST routes read and validate their bodies themselves (``read_json`` + ``parse_model``) so
+The POST routes read and validate their bodies themselves (``read_request``) so
 that every error is answered in the route's own format; FastAPI therefore knows neither their
 request bodies nor their answers. ``install_openapi(app)`` fills these in from the same pydantic
 models the routes validate with, and documents what every route really answers: JSON or

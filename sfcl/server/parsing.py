@@ -1,8 +1,9 @@
 """Request parsing and validation shared by the Anthropic and OpenAI routes.
 
 Everything here turns client input into engine input or a 400/404/413 ``ApiError`` in the route's
-own format (never a 500): the JSON body (size, UTF-8, lone surrogates), the pydantic request model,
-the model name, the SFCL headers and fields (``x-sfcl-tag``; snapshot mode: header
+own format (never a 500): the JSON body (size, UTF-8, lone surrogates; a large one decoded off
+the event loop), the pydantic request model, the model name, the stop sequences (how many, how
+long), the SFCL headers and fields (``x-sfcl-tag``; snapshot mode: header
 ``x-sfcl-snapshot`` > body ``snapshot_mode`` > server default; steering: ``resolve_steer``, the one
 place that reads ``x-sfcl-steer`` / ``steer``), ``SamplingParams`` and the chat template.
 """
@@ -12,22 +13,29 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 import anyio
 from fastapi import Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from starlette.requests import ClientDisconnect
 
 from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
-from sfcl.engine.request import TAG_RE, SamplingParams
-from sfcl.server.errors import ApiError, validation_api_error
+from sfcl.engine.request import TAG_RE, SamplingParams, check_stop
+from sfcl.engine.token_bound import min_tokens
+from sfcl.server.errors import ApiError, ClientGone, format_loc, validation_api_error
 from sfcl.snapshot.mechanisms import no_document_messages, parse_steer
+from sfcl.text import clip, quote
 
 SNAPSHOT_HEADER = "x-sfcl-snapshot"
 TAG_HEADER = "x-sfcl-tag"
 STEER_HEADER = "x-sfcl-steer"
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# A body larger than this is decoded and validated in a worker thread: json.loads, the surrogate
+# scan and pydantic take seconds for a body of tens of megabytes, which on the event loop would
+# stall every stream and /health meanwhile. Smaller bodies stay on the loop (no thread hop).
+OFF_LOOP_BYTES = 64 * 1024
 
 
 def _steer_shape(value: Any) -> Any:
@@ -70,14 +78,28 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-async def read_json(request: Request) -> Any:
-    """Body -> JSON value; invalid UTF-8 or JSON is a 400 naming ``body``."""
+async def read_body(request: Request) -> bytes:
+    """The raw body; raises ApiError 413 past ``MAX_BODY_BYTES`` and ``ClientGone`` when the client
+    disconnects before it has sent the whole body."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(413, f"body: request body exceeds {MAX_BODY_BYTES} bytes", param="body")
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"body: request body exceeds {MAX_BODY_BYTES} bytes", param="body")
+    return raw
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json(raw: bytes) -> Any:
+    """Body bytes -> JSON value; raises ApiError 400 naming ``body`` for an empty body, invalid
+    UTF-8 or JSON (``NaN`` / ``Infinity`` included), and naming the field for a lone surrogate."""
     if not raw.strip():
         raise ApiError(400, "body: request body is empty; expected a JSON object", param="body")
     try:
@@ -85,12 +107,8 @@ async def read_json(request: Request) -> Any:
     except UnicodeDecodeError as e:
         raise ApiError(400, f"body: request body is not valid UTF-8 (byte {e.start})",
                        param="body") from None
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
     try:
-        value = json.loads(text, parse_constant=no_constants)
+        value = json.loads(text, parse_constant=_no_constants)
     except RecursionError:  # e.g. 100k nested arrays: the decoder runs out of stack
         raise ApiError(400, "body: invalid JSON: nested too deeply", param="body") from None
     except ValueError as e:
@@ -103,6 +121,32 @@ async def read_json(request: Request) -> Any:
     return value
 
 
+async def _off_loop_if_large(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread when ``size`` (body bytes) exceeds ``OFF_LOOP_BYTES``,
+    else on the event loop; its exceptions propagate unchanged either way."""
+    if size > OFF_LOOP_BYTES:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+async def read_json(request: Request) -> Any:
+    """Body -> JSON value (``read_body`` + ``decode_json``, in a worker thread for a large body);
+    raises what they raise."""
+    raw = await read_body(request)
+    return await _off_loop_if_large(len(raw), decode_json, raw)
+
+
+def _decode_request(model_cls: type[BaseModel], raw: bytes) -> Any:
+    return parse_model(model_cls, decode_json(raw))
+
+
+async def read_request(request: Request, model_cls: type[BaseModel]) -> Any:
+    """The body as a ``model_cls`` (``read_body``, ``decode_json``, ``parse_model``; decoding and
+    validation in a worker thread for a large body); raises what they raise."""
+    raw = await read_body(request)
+    return await _off_loop_if_large(len(raw), _decode_request, model_cls, raw)
+
+
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
@@ -111,21 +155,20 @@ def _has_surrogate(s: str) -> bool:
 
 
 def find_lone_surrogate(value: Any) -> str | None:
-    """Dotted path (``messages.0.content``) of the first string (value or key) holding a lone
-    surrogate, else None. ``json.loads`` accepts ``"\\ud800"`` escapes, but such strings cannot
-    be encoded as UTF-8 (tokenizer, logs, JSON responses), so they are the client's error."""
+    """Dotted path (``messages.0.content``, ``errors.format_loc``: long keys clipped) of the first
+    string (value or key) holding a lone surrogate, else None. ``json.loads`` accepts ``"\\ud800"``
+    escapes, but such strings cannot be encoded as UTF-8 (tokenizer, logs, JSON responses), so
+    they are the client's error."""
     stack: list[tuple[Any, tuple]] = [(value, ())]
     while stack:  # iterative: the decoder accepts nesting deeper than a recursive walk could
         v, path = stack.pop()
         if isinstance(v, str):
             if _has_surrogate(v):
-                return ".".join(str(p) for p in path) or "body"
+                return format_loc(path)
         elif isinstance(v, dict):
             for k, item in v.items():
                 if _has_surrogate(k):
-                    parent = ".".join(str(p) for p in path)
-                    key = k.encode("utf-8", "backslashreplace").decode("ascii", "replace")
-                    return f"{parent}.{key}" if parent else key
+                    return format_loc(path + (k.encode("utf-8", "backslashreplace").decode("ascii", "replace"),))
                 stack.append((item, path + (k,)))
         elif isinstance(v, list):
             stack.extend((item, path + (i,)) for i, item in enumerate(v))
@@ -143,13 +186,33 @@ def parse_model(model_cls: type[BaseModel], data: Any) -> Any:
         raise validation_api_error(e) from None
 
 
+def stop_list(value: str | list[str] | None, param: str) -> list[str]:
+    """A request's stop sequences (a string or a list; None: none) as a list; raises ApiError 400
+    naming ``param`` unless ``sfcl.engine.request.check_stop`` accepts them (how many, how long)."""
+    stop = [value] if isinstance(value, str) else list(value or [])
+    try:
+        check_stop(stop)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    return stop
+
+
+def min_prompt_tokens(engine: EngineClient, messages: list[dict], system: str | None) -> int:
+    """At least how many tokens the prompt has, without tokenizing it: its characters over the
+    most one token stands for (``sfcl.engine.token_bound``; 0 when ``engine`` has no such bound).
+    The chat template renders every message's text (``encode_chat`` tokenizes each one) and only
+    adds tokens around it."""
+    texts = [str(m.get("content", "")) for m in messages] + [system or ""]
+    return min_tokens(texts, getattr(engine, "max_token_chars", None))
+
+
 def check_model(engine: EngineClient, model: str, openai: bool) -> None:
     if model in (engine.model_name, "default"):
         return
     if openai:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+        raise ApiError(404, f"The model '{clip(model)}' does not exist; this server serves "
                             f"'{engine.model_name}'.", param="model", code="model_not_found")
-    raise ApiError(404, f"model: {model} (this server serves '{engine.model_name}')",
+    raise ApiError(404, f"model: {clip(model)} (this server serves '{engine.model_name}')",
                    param="model")
 
 
@@ -173,7 +236,7 @@ def resolve_snapshot_mode(request: Request, body_mode: str | None) -> str:
     if header is not None:
         mode = header.strip().lower()
         if mode not in SNAPSHOT_MODES:
-            raise ApiError(400, f"{SNAPSHOT_HEADER}: invalid value {header!r}; expected one of "
+            raise ApiError(400, f"{SNAPSHOT_HEADER}: invalid value {quote(header)}; expected one of "
                                 f"{', '.join(SNAPSHOT_MODES)}", param=SNAPSHOT_HEADER)
     elif body_mode is not None:
         mode = body_mode
@@ -230,7 +293,7 @@ def make_params(**kwargs: Any) -> SamplingParams:
     """``SamplingParams`` or a 400 naming the field its ValueError mentions."""
     seed = kwargs.get("seed")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ApiError(400, f"seed: must be an integer in [-2**63, 2**64 - 1], got {seed}",
+        raise ApiError(400, f"seed: must be an integer in [-2**63, 2**64 - 1], got {clip(str(seed))}",
                        param="seed")
     temperature = kwargs.get("temperature")
     if isinstance(temperature, (int, float)) and 0.0 < temperature < MIN_TEMPERATURE:

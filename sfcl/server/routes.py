@@ -4,10 +4,12 @@
 ``sfcl.server.anthropic_api.MESSAGES`` or ``sfcl.server.openai_api.CHAT``). Every request runs
 the same steps, in this order, so that both APIs validate, log and fail alike:
 
-1. API key, JSON body, the API's pydantic model, snapshot mode, model name;
+1. API key, JSON body, the API's pydantic model (decoded and validated in a worker thread when
+   the body is large), snapshot mode, model name;
 2. the API's own checks and message conversion (``ApiAdapter.prepare``);
 3. ``x-sfcl-tag``, steering and ``SamplingParams`` (cheap checks before the chat template);
-4. chat template + tokenize, then the context-window check, which fixes ``max_tokens``;
+4. a prompt certainly longer than the context window (by its characters) is rejected untokenized;
+   else chat template + tokenize, then the context-window check, which fixes ``max_tokens``;
 5. submit; stream the events through the API's ``Framing`` or collect a whole response.
 
 What differs between the APIs lives in their modules: request models, message rules, the
@@ -30,11 +32,11 @@ from starlette.responses import JSONResponse, Response
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.protocol import EngineBusyError, EngineClient
 from sfcl.server.auth import check_api_key
-from sfcl.server.errors import ApiError
-from sfcl.server.generation import (KEEPALIVE, ClientGone, Collected, EngineEvents, collect,
-                                    engine_error, start_generation)
-from sfcl.server.parsing import (attach_cad_prompt, check_model, encode_prompt, make_params, new_id, parse_model,
-                                 read_json, resolve_snapshot_mode, resolve_steer, resolve_tag)
+from sfcl.server.errors import ApiError, ClientGone
+from sfcl.server.generation import (KEEPALIVE, Collected, EngineEvents, collect, engine_error,
+                                    start_generation)
+from sfcl.server.parsing import (attach_cad_prompt, check_model, encode_prompt, make_params, min_prompt_tokens,
+                                 new_id, read_request, resolve_snapshot_mode, resolve_steer, resolve_tag)
 from sfcl.server.request_log import RequestLog
 from sfcl.server.sse import sse_response
 
@@ -96,8 +98,9 @@ class ApiAdapter:
         """The API's own checks and message conversion; raises ApiError (400)."""
         raise NotImplementedError
 
-    def max_tokens(self, engine: EngineClient, req: Any, prompt_len: int) -> int:
-        """Generated-token limit for a prompt of ``prompt_len`` tokens; raises ApiError (400)
+    def max_tokens(self, engine: EngineClient, req: Any, prompt_len: int, at_least: bool = False) -> int:
+        """Generated-token limit for a prompt of ``prompt_len`` tokens (``at_least``: a lower bound
+        on its length, from before tokenizing; the error says "at least"); raises ApiError (400)
         when the prompt and the requested output do not fit the context window."""
         raise NotImplementedError
 
@@ -123,6 +126,9 @@ def generation_route(api: ApiAdapter) -> Callable[[Request], Awaitable[Response]
         except ApiError as e:
             rlog.status, rlog.error = e.status, api.error_name(e)
             raise
+        except ClientGone:  # while uploading its body or waiting for a non-streaming response
+            rlog.status, rlog.error = 499, "client_closed"
+            return Response(status_code=499)
         except Exception:
             rlog.status, rlog.error = 500, "server_error" if api.openai else "api_error"
             raise
@@ -137,7 +143,7 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     engine: EngineClient = request.app.state.engine
     rid = rlog.id
     check_api_key(request, openai=api.openai)
-    req: Any = parse_model(api.request_model, await read_json(request))
+    req: Any = await read_request(request, api.request_model)
     mode = resolve_snapshot_mode(request, req.snapshot_mode)
     check_model(engine, req.model, openai=api.openai)
     prompt = api.prepare(req)
@@ -150,6 +156,9 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
         top_p=1.0 if req.top_p is None else req.top_p, stop=prompt.stop, seed=prompt.seed,
         snapshot_mode=mode, tag=rlog.tag, steer=resolve_steer(request, req.steer, mode),
         ignore_eos=req.ignore_eos)
+    at_least = min_prompt_tokens(engine, prompt.messages, prompt.system)
+    if at_least >= engine.max_model_len:  # certainly too long: the API's error, without tokenizing it
+        api.max_tokens(engine, req, at_least, at_least=True)  # raises for such a prompt
     prompt_ids = await encode_prompt(engine, prompt.messages, prompt.system)
     params = dataclasses.replace(params, max_tokens=api.max_tokens(engine, req, len(prompt_ids)))
     await attach_cad_prompt(engine, params, prompt.messages, prompt.system)
@@ -171,9 +180,6 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
 
     try:
         got = await collect(request, events, first, rlog, ping_s)
-    except ClientGone:
-        rlog.status, rlog.error = 499, "client_closed"
-        return Response(status_code=499)
     finally:
         await events.aclose()
     if got.finished is not None and got.finished.stop_reason == "aborted":

@@ -55,6 +55,7 @@ class FakeEngine:
     model_name: str = "fake-model"
     max_model_len: int = 512
     snapshots_available: bool = True
+    max_token_chars: int | None = None  # no bound: its word tokens have any length
     reply: str = DEFAULT_REPLY
     snapshot_every: int = 4
     busy: bool = False

@@ -5,6 +5,8 @@ the HTTP layers import it. What the mechanisms do: ``sfcl.snapshot.steering``,
 
 from __future__ import annotations
 
+from sfcl.text import quote
+
 MECHANISMS = ("cad", "knn", "source")  # the order a combination is applied in
 DEFAULT_STEER = ("source",)  # what ``steer: true`` means: measured best on the calibration NDAs (docs/fidelity.md)
 
@@ -33,7 +35,7 @@ def parse_steer(value) -> tuple[str, ...]:
     else:
         parts = None
     if not parts or any(p not in MECHANISMS for p in parts):
-        raise ValueError(f"steer: invalid value {value!r}; expected true, false, one of "
+        raise ValueError(f"steer: invalid value {quote(value)}; expected true, false, one of "
                          f"{', '.join(repr(m) for m in MECHANISMS)} or a '+' combination such as 'source+cad'")
     return tuple(m for m in MECHANISMS if m in parts)
 
