@@ -111,6 +111,10 @@ def test_steering_off_is_identical_to_snapshots_off(lm, nda_library):
     eng = make_llm_engine(lm, nda_library, EngineConfig(max_num_seqs=2))
     ids = chat_ids(lm, "The Receiving Party shall keep the Confidential Information secret for five years. "
                        "How long must it be kept secret?")
+    # a first run leaves the prompt in the prefix cache, so the three compared runs compute it alike: a
+    # bf16 prompt computed cold and one restored from the cache round differently, and a greedy near-tie
+    # may then go either way (docs/engine.md); here that would not be the snapshots' doing
+    run_to_completion(eng, [(ids, SamplingParams(max_tokens=1))])
     out = {}
     for mode in ("off", "triggered", "always"):
         [ev] = run_to_completion(eng, [(ids, SamplingParams(max_tokens=24, snapshot_mode=mode, steer=False))])
