@@ -452,7 +452,7 @@ def test_large_bodies_are_decoded_and_validated_off_the_event_loop(url, monkeypa
     from sfcl.server.parsing import OFF_LOOP_BYTES
     seen = _parse_ran_on_the_loop(monkeypatch)
     assert post(url, A, a_body()).status_code == 200
-    big = [{"role": "user", "content": "x"}] * (OFF_LOOP_BYTES // 20) + [{"role": "user", "content": 5}]
+    big = [{"role": "user", "content": "x" * OFF_LOOP_BYTES}, {"role": "user", "content": 5}]  # within the window's count
     assert len(json.dumps(a_body(messages=big))) > OFF_LOOP_BYTES
     msg = anthropic_error(post(url, A, a_body(messages=big)), 400, "invalid_request_error")
     assert msg.startswith(f"messages.{len(big) - 1}.content:"), msg
@@ -550,3 +550,36 @@ def test_error_messages_clip_the_values_they_quote(url):
     assert len(err["param"]) == QUOTE_CHARS + 1 and "surrogate" in err["message"]
     r = httpx.get(url + "/" + "p" * 10_000, timeout=10)
     assert r.status_code == 404 and len(r.content) < 400
+
+
+def test_more_messages_than_the_window_has_tokens_are_refused_before_validation(url, monkeypatch):
+    """BUG: ~600,000 messages in a 25 MB body spent ~1.5 s in pydantic (holding the GIL, off the event
+    loop or not) before any answer; every message takes at least one token, so more messages than
+    the window (32 tokens here) cannot fit and are refused on their count."""
+    from sfcl.server import parsing
+    validated = []
+    real = parsing.parse_model
+    monkeypatch.setattr(parsing, "parse_model", lambda *a: validated.append(1) or real(*a))
+    many = USER * 33
+    msg = anthropic_error(post(url, A, a_body(messages=many)), 400, "invalid_request_error")
+    assert msg == "messages: 33 messages cannot fit the context window of 32 tokens (each message takes at least one token)"
+    assert openai_error(post(url, O, o_body(messages=many)), 400, "messages")["message"].startswith("messages: 33")
+    assert validated == []
+    assert post(url, A, a_body(messages=[{"role": "user", "content": "hi"}])).status_code == 200
+    assert validated == [1]
+
+
+def test_health_answers_head(url):
+    assert httpx.head(url + "/health", timeout=10).status_code == 200
+
+
+def test_anchor_reload_body_must_be_json(serve):
+    """A browser may POST text/plain or a form to another origin without a preflight: a reload body
+    in any other content type is refused before it is read as JSON (415)."""
+    url, _ = serve()
+    body = json.dumps({"path": "/tmp/lib"}).encode()
+    r = httpx.post(url + "/admin/anchors/reload", content=body, headers={"content-type": "text/plain"}, timeout=10)
+    assert openai_error(r, 415, "body")["message"].startswith("body: expected content-type application/json")
+    r = httpx.post(url + "/admin/anchors/reload", content=body, headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 404  # past the check: this engine cannot reload
+    assert httpx.post(url + "/admin/anchors/reload", timeout=10).status_code == 404  # no body: no content type needed

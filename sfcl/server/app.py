@@ -70,7 +70,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:
         try:
             details = engine.health()
@@ -130,6 +130,12 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         body = await read_body(request)
         path = None
         if body.strip():
+            # JSON only: a browser sends text/plain or a form across origins without a preflight, so a
+            # web page could otherwise swap the library of a server without an API key
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise ApiError(415, f"body: expected content-type application/json, got {ctype or 'none'}",
+                               param="body")
             data = await read_json(request)
             if not isinstance(data, dict) or not isinstance(data.get("path", ""), (str, type(None))) \
                     or set(data) - {"path"}:

@@ -143,7 +143,7 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     engine: EngineClient = request.app.state.engine
     rid = rlog.id
     check_api_key(request, openai=api.openai)
-    req: Any = await read_request(request, api.request_model)
+    req: Any = await read_request(request, api.request_model, max_messages=engine.max_model_len)
     mode = resolve_snapshot_mode(request, req.snapshot_mode)
     check_model(engine, req.model, openai=api.openai)
     prompt = api.prepare(req)
