@@ -39,6 +39,25 @@ def test_auto_takes_bf16_only_where_native_and_faster(fresh, monkeypatch, flags,
     assert f"{fp32:.1f}" in c.reason and f"{bf16:.1f}" in c.reason
 
 
+def test_a_slow_bf16_probe_on_a_native_cpu_is_probed_again(fresh, monkeypatch):
+    """One probe that read bf16 below fp32 (a preempted call) once made an AMX Xeon serve in float32;
+    the probe now runs again, each dtype's best kept, and only a CPU slower every time gets float32."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    reads = iter([{"float32": 170.0, "bfloat16": 90.0}, {"float32": 160.0, "bfloat16": 220.0}])
+    calls = []
+    monkeypatch.setattr(hardware, "_probe_one_thread", lambda dts: calls.append(1) or next(reads))
+    c = hardware.choose_dtype("cpu")
+    assert c.dtype is torch.bfloat16 and c.gflops == {"float32": 170.0, "bfloat16": 220.0} and len(calls) == 2
+    hardware._choose.cache_clear()
+    calls.clear()
+    monkeypatch.setattr(hardware, "_probe_one_thread", lambda dts: calls.append(1) or {"float32": 170.0, "bfloat16": 90.0})
+    assert hardware.choose_dtype("cpu").dtype is torch.float32 and len(calls) == 1 + hardware.PROBE_RETRIES
+    hardware._choose.cache_clear()
+    calls.clear()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))  # no native flag: one probe only
+    assert hardware.choose_dtype("cpu").dtype is torch.float32 and len(calls) == 1
+
+
 def test_resolve_logs_the_choice_once_on_stderr(fresh, monkeypatch, capsys):
     _fake(monkeypatch, {"avx2"}, 50.0, 1.5)
     assert hardware.resolve_dtype("auto") is torch.float32

@@ -34,7 +34,11 @@ from sfcl.model import decode_kernel
 from sfcl.model.hardware import gemm_gflops
 from sfcl.snapshot.triggers import attention_dispersion
 
-LOGIT_ROWS = 128  # rows of logits made and reduced at once: (128, V) float32 = 25 MB for V = 49,152
+# Rows of logits made and reduced at once: (512, V) = 50 MB in bf16, 100 MB in float32 for V = 49,152.
+# The lm_head's GEMM and logit_stats over 4,096 rows, Intel Xeon with AMX, 2 threads, 2026-12-05: 208-234
+# ms at 512 rows against 361-369 at 128 and 337-343 at 1,024 (bf16); float32 882-894 against 957-1,006
+# and 1,044-1,068 (a /work scratch timing of the loop below; whole passes: docs/benchmarks.md).
+LOGIT_ROWS = 512
 RATE_SHAPE = (1024, 576, 1536)  # (M, K, N) of the GEMM-rate probe: a window through an MLP projection
 
 

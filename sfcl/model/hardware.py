@@ -35,6 +35,10 @@ DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 PROBE_SHAPE = (16, 576, 576)  # (M, K, N): a decode-batch GEMM of SmolLM2-135M's width
 PROBE_BUDGET_S = 0.012  # per dtype: repeat the GEMM until this much time has passed (at least 2 calls)
+# Probes again (each dtype's best kept) while a CPU whose flags show native bf16 measures bf16 slower:
+# once in ~25 starts on the Intel Xeon with AMX (2026-12-05) one probe read bf16 below fp32 and the
+# process ran in float32 (a model pass 5.3 s instead of 1.3 s); 60 probes in one process never did.
+PROBE_RETRIES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +128,8 @@ def choose_dtype(device: str = "cpu") -> DtypeChoice:
     """The serving dtype for ``--dtype auto`` on ``device`` (cached per process).
 
     CPU: bfloat16 when the CPU flags show native bf16 (``NATIVE_BF16_FLAGS``; unknown flags count
-    as possible) and the probe measures bf16 at least as fast as fp32; float32 otherwise.
+    as possible) and the probe measures bf16 at least as fast as fp32 (probed up to
+    ``PROBE_RETRIES`` more times before it says otherwise); float32 otherwise.
     CUDA: bfloat16 if ``torch.cuda.is_bf16_supported()``, else float16. Other devices: float32.
     """
     return _choose(torch.device(device).type)
@@ -141,6 +146,11 @@ def _choose(device_type: str) -> DtypeChoice:
         return DtypeChoice(torch.float32, f"device {dev.type}: float32")
     native = has_native_bf16()
     rates = _probe_one_thread((torch.float32, torch.bfloat16))
+    for _ in range(PROBE_RETRIES):  # flags say native, the probe says slower: probe again, keep each best
+        if native is False or rates["bfloat16"] >= rates["float32"]:
+            break
+        again = _probe_one_thread((torch.float32, torch.bfloat16))
+        rates = {k: max(v, again[k]) for k, v in rates.items()}
     fp32, bf16 = rates["float32"], rates["bfloat16"]
     cap = torch.backends.cpu.get_cpu_capability()
     what = {True: "native bf16 (" + "/".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) + ")",
