@@ -34,10 +34,11 @@ from sfcl.model import decode_kernel
 from sfcl.model.hardware import gemm_gflops
 from sfcl.snapshot.triggers import attention_dispersion
 
-# Rows of logits made and reduced at once: (512, V) = 50 MB in bf16, 100 MB in float32 for V = 49,152.
-# The lm_head's GEMM and logit_stats over 4,096 rows, Intel Xeon with AMX, 2 threads, 2026-12-05: 208-234
-# ms at 512 rows against 361-369 at 128 and 337-343 at 1,024 (bf16); float32 882-894 against 957-1,006
-# and 1,044-1,068 (a /work scratch timing of the loop below; whole passes: docs/benchmarks.md).
+# Rows of logits made and reduced at once, into one block reused across a forward's rows: (512, V) =
+# 50 MB in bf16 for V = 49,152. Intel Xeon with AMX, bf16, 2 threads, 2026-12-05, a batch of 4 windows
+# (scripts/profile_model_pass.py --logit-rows 128,512, alternating): 1.32-1.36 s at 512 rows against
+# 1.40-1.44 at 128. A fresh 50 MB block per 512 rows (above glibc's largest mmap threshold, 32 MB: new
+# pages every time) had doubled a whole build's system time (20.7 against 9.9-12.1 s).
 LOGIT_ROWS = 512
 RATE_SHAPE = (1024, 576, 1536)  # (M, K, N) of the GEMM-rate probe: a window through an MLP projection
 
@@ -142,9 +143,18 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
     rows = torch.cat([torch.arange(a, b - 1, device=dev) for a, b in zip(starts[:-1], starts[1:])])  # (R,)
     nxt = ids[rows + 1]  # (R,)
     top_p, top_i, sur = [], [], []
+    head = model.lm_head
+    buf = None  # (LOGIT_ROWS, V): one block of logits reused, not fresh pages per block (see LOGIT_ROWS)
     for c in range(0, rows.shape[0], LOGIT_ROWS):
         r = rows[c : c + LOGIT_ROWS]
-        tp, ti, s = logit_stats(model.lm_head(model.norm(h[0, r])), nxt[c : c + LOGIT_ROWS], top_k)
+        x = model.norm(h[0, r])  # (n, H)
+        if type(head) is torch.nn.Linear and head.bias is None:
+            if buf is None:
+                buf = torch.empty(min(LOGIT_ROWS, rows.shape[0]), head.weight.shape[0], dtype=x.dtype, device=dev)
+            logits = torch.mm(x, head.weight.t(), out=buf[: x.shape[0]])  # (n, V)
+        else:
+            logits = head(x)
+        tp, ti, s = logit_stats(logits, nxt[c : c + LOGIT_ROWS], top_k)
         top_p.append(tp)
         top_i.append(ti)
         sur.append(s)
