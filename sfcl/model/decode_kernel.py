@@ -212,6 +212,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
               f"logit statistics, element-wise steps of prompt rows: {len(SOURCES)} files) with the C++ compiler "
               "(once per machine kind, ~40 s on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
+    t0 = time.perf_counter()
     done = threading.Event()
     if verbose:
         threading.Thread(target=_report_build, args=(work, done), name="sfcl-kernel-build", daemon=True).start()
@@ -226,6 +227,8 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     finally:
         done.set()
         shutil.rmtree(work, ignore_errors=True)
+    if verbose:
+        print(f"[ENGINE] compiled SFCL's kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return mod
 
 
