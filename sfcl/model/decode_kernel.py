@@ -215,7 +215,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     t0 = time.perf_counter()
     done = threading.Event()
     if verbose:
-        threading.Thread(target=_report_build, args=(work, done), name="sfcl-kernel-build", daemon=True).start()
+        threading.Thread(target=_report_build, args=(work, done, t0), name="sfcl-kernel-build", daemon=True).start()
     try:
         mod = cpp_load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                        build_directory=str(work), is_python_module=True, verbose=False)  # builds and imports it from `work`
@@ -232,10 +232,10 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     return mod
 
 
-def _report_build(work: Path, done: threading.Event, every_s: float = 15.0) -> None:
+def _report_build(work: Path, done: threading.Event, t0: float, every_s: float = 15.0) -> None:
     """Until ``done``: every ``every_s`` seconds one stderr line with the object files compiled so far
-    in ``work`` (ninja's build directory) out of ``SOURCES``, so a slow build is not taken for a hang."""
-    t0 = time.perf_counter()
+    in ``work`` (ninja's build directory) out of ``SOURCES`` and the seconds since ``t0`` (the build's
+    start, ``time.perf_counter``), so a slow build is not taken for a hang."""
     while not done.wait(every_s):
         n = len(list(work.glob("*.o")))
         print(f"[ENGINE] compiling SFCL's kernels: {n}/{len(SOURCES)} files after {time.perf_counter() - t0:.0f} s",
