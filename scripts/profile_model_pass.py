@@ -1,7 +1,7 @@
 """Time and profile the anchor builder's model pass (``sfcl.anchors.model_pass.run_windows``).
 
 Usage: python scripts/profile_model_pass.py [--windows 4] [--window-tokens 1024] [--reps 2] [--profile]
-       [--logit-stats both] [--elementwise both] [--ops] [--logit-rows 128,512]
+       [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--ops] [--logit-rows 128,512]
 
 Runs the bundled model over ``--windows`` windows of the bundled sample corpus, prints the wall time
 per batch of windows against the floor the builder prints (FLOP of the pass / the GEMM rate probed
@@ -12,7 +12,10 @@ top operators by self CPU time (how the share of causal SDPA in the pass was fou
 (``native`` / ``torch``: one of them only). ``--elementwise both`` alternates, with SFCL's kernels
 loaded, a decoder layer's element-wise steps between SFCL's operators (``torch.ops.sfcl.rms_norm``,
 ``silu_mul``, ``rope_``; ``sfcl.model.llama.native_rows``) and torch's (torch's logits reductions run
-with the kernels unloaded, so with torch's element-wise operators too). ``--logit-rows A,B`` alternates
+with the kernels unloaded, so with torch's element-wise operators too). ``--snapshot-softmax both``
+alternates the snapshot layer's attention weights and entropies between SFCL's one-pass kernel
+(``torch.ops.sfcl.causal_softmax_entropy_``; ``sfcl.anchors.model_pass.native_softmax``) and torch's
+eager softmax and ``attention_dispersion``. ``--logit-rows A,B`` alternates
 ``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--ops`` first times each
 element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
 and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it.
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--logit-stats", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--elementwise", choices=("native", "torch", "both"), default="native")
+    ap.add_argument("--snapshot-softmax", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--logit-rows", default="", help="comma-separated LOGIT_ROWS values to alternate")
     a = ap.parse_args(argv)
@@ -62,22 +66,26 @@ def main(argv: list[str] | None = None) -> None:
     loaded = decode_kernel.loaded
     native_rows = llama.native_rows
     pick = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}
-    modes = list(dict.fromkeys((ls, ew if ls == "native" else "torch")  # torch's logits reductions: kernels unloaded
-                               for ls in pick[a.logit_stats] for ew in pick[a.elementwise]))
+    native_softmax = model_pass.native_softmax
+    modes = list(dict.fromkeys((ls, ew if ls == "native" else "torch", sm if ls == "native" else "torch")
+                               for ls in pick[a.logit_stats] for ew in pick[a.elementwise]  # torch's logits
+                               for sm in pick[a.snapshot_softmax]))  # reductions: kernels unloaded
     row_counts = [int(r) for r in a.logit_rows.split(",") if r] or [model_pass.LOGIT_ROWS]
     default_rows = model_pass.LOGIT_ROWS
     try:
         for _ in range(a.reps):
-            for (ls, ew), rows in ((m, r) for m in modes for r in row_counts):
+            for (ls, ew, sm), rows in ((m, r) for m in modes for r in row_counts):
                 decode_kernel.loaded = (lambda: False) if ls == "torch" else loaded
                 llama.native_rows = (lambda x: False) if ew == "torch" else native_rows
+                model_pass.native_softmax = (lambda q: False) if sm == "torch" else native_softmax
                 model_pass.LOGIT_ROWS = rows
                 t = time.perf_counter()
                 run_windows(lm.model, wins, layer, 8)
                 dt = time.perf_counter() - t
                 on = native and ls == "native"
                 which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
-                         + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops")
+                         + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
+                         + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax")
                          + f", logits {rows} rows at a time")
                 print(f"{len(wins)} windows x {W} tokens ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
                       f"threads, {which}): {dt:.2f} s; floor {floor:.2f} s at {rate:.0f} GFLOP/s -> {dt / floor:.2f}x",
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         decode_kernel.loaded = loaded
         llama.native_rows = native_rows
+        model_pass.native_softmax = native_softmax
         model_pass.LOGIT_ROWS = default_rows
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -17,8 +17,11 @@ returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers
   (``sfcl.snapshot.triggers.attention_dispersion``, the serving rule), for every position.
 
 Windows are packed into batches of at most ``batch_tokens`` tokens: every linear layer runs once
-over the whole batch, attention runs per window (causal SDPA; eager softmax at the snapshot
-layer, whose weights the dispersion needs). A window is one causal pass from position 0, so no
+over the whole batch, attention once per run of equal-length windows (causal SDPA with the windows
+as its batch), except at the snapshot layer, whose weights the dispersion needs: there per window,
+the scores by one matmul and the causal softmax with each row's entropy by one native pass
+(``torch.ops.sfcl.causal_softmax_entropy_``; torch's eager softmax where SFCL's kernels are not
+loaded). A window is one causal pass from position 0, so no
 KV cache is involved. Everything runs in the model's dtype (``--dtype auto``: fp32 on AVX2-only
 CPUs, bf16 where native), logits reductions in float32.
 """
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 
 from sfcl.model import decode_kernel
 from sfcl.model.hardware import gemm_gflops
-from sfcl.snapshot.triggers import attention_dispersion
+from sfcl.snapshot.triggers import attention_dispersion, dispersion_from_entropy
 
 # Rows of logits made and reduced at once, into one block reused across a forward's rows: (512, V) =
 # 50 MB in bf16 for V = 49,152. Intel Xeon with AMX, bf16, 2 threads, 2026-12-05, a batch of 4 windows
@@ -87,24 +90,50 @@ def logit_stats(logits: torch.Tensor, nxt: torch.Tensor, top_k: int) -> tuple[to
     return (tv - lse[:, None]).exp(), ti, lse - logits.gather(1, nxt[:, None])[:, 0]
 
 
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_dispersion: bool):
-    """Causal attention of one window from position 0. q (1, nh, T, hd), k/v (1, nkv, T, hd).
-    Returns o (T, nh hd) and, with ``want_dispersion``, the dispersion (T,) float32 of every
-    query (eager softmax in float32, as ``Attention.prefill_attn`` does for "all")."""
+def native_softmax(q: torch.Tensor) -> bool:
+    """Whether the snapshot layer's weights and entropies come from the native kernel
+    (``torch.ops.sfcl.causal_softmax_entropy_``): a CPU tensor in float32 / bf16 / fp16, SFCL's
+    kernels loaded, no autograd. Elsewhere (CUDA, no compiler) torch's eager softmax."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and decode_kernel.loaded() and not torch.is_grad_enabled())
+
+
+def _snapshot_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The snapshot layer's causal attention of one window from position 0, with its weights' dispersion.
+    q (1, nh, T, hd), k/v (1, nkv, T, hd). Returns o (T, nh hd) and the dispersion (T,) float32 of
+    every query (``sfcl.snapshot.triggers.dispersion_from_entropy``): weights and entropies from
+    ``torch.ops.sfcl.causal_softmax_entropy_`` where ``native_softmax``, else torch's eager softmax in
+    float32 and ``attention_dispersion`` (as ``Attention.prefill_attn`` does for "all")."""
     T = q.shape[2]
-    if not want_dispersion:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (1, nh, T, hd)
-        return o[0].transpose(0, 1).reshape(T, -1), None
     a = attn.a
     nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
     g = nh // nkv
     qg = q.reshape(1, nkv, g * T, hd)  # heads of a group share K
+    n_att = torch.arange(1, T + 1, device=q.device)  # (T,) positions query i attends
+    if native_softmax(q):
+        s = torch.matmul(qg, k.transpose(-1, -2))  # (1, nkv, g T, T) raw scores, model dtype
+        ent = torch.ops.sfcl.causal_softmax_entropy_(s.view(nh, T, T), attn.scale)  # s -> weights; (nh, T) fp32
+        o = torch.matmul(s, v).view(nh, T, hd)  # (nh, T, hd)
+        return o.transpose(0, 1).reshape(T, nh * hd), dispersion_from_entropy(ent.mean(0), n_att)
     s = torch.matmul(qg, k.transpose(-1, -2)).view(1, nkv, g, T, T) * attn.scale  # (1, nkv, g, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     p = s.float().masked_fill(~causal, float("-inf")).softmax(-1)  # (1, nkv, g, T, T) fp32
     o = torch.matmul(p.to(v.dtype).view(1, nkv, g * T, T), v).view(nh, T, hd)  # (nh, T, hd)
-    disp = attention_dispersion(p.view(nh, T, T).transpose(0, 1), torch.arange(1, T + 1, device=q.device))  # (T,)
+    disp = attention_dispersion(p.view(nh, T, T).transpose(0, 1), n_att)  # (T,)
     return o.transpose(0, 1).reshape(T, nh * hd), disp
+
+
+def _equal_runs(lens: list[int]) -> list[tuple[int, int, int]]:
+    """(first token, number of windows, window length) of each run of consecutive windows of one
+    length, in order: a build's windows are all ``window_tokens`` long but each document's last."""
+    runs, start = [], 0
+    for n in lens:
+        if runs and runs[-1][2] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([start, 1, n])
+        start += n
+    return [tuple(r) for r in runs]
 
 
 @torch.inference_mode()
@@ -125,16 +154,24 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
+    runs = _equal_runs(lens)  # (first token, windows, length) of consecutive windows of one length
     tap = disp = None
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(h), cos, sin)  # (1, N, heads, hd)
         outs, disps = [], []
-        for a, b in zip(starts[:-1], starts[1:]):
-            o, d = _attend(attn, q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2),
-                           i == tap_layer)
-            outs.append(o)  # (T, nh hd)
-            disps.append(d)
+        if i == tap_layer:
+            for a, b in zip(starts[:-1], starts[1:]):
+                o, d = _snapshot_attention(attn, q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2),
+                                           v[:, a:b].transpose(1, 2))
+                outs.append(o)  # (T, nh hd)
+                disps.append(d)
+        else:
+            for a, n, T in runs:  # windows of one length: one causal SDPA call with the windows as its batch
+                b = a + n * T
+                qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]).transpose(1, 2) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)  # (n, nh, T, hd)
+                outs.append(o.transpose(1, 2).reshape(n * T, -1))  # (n T, nh hd)
         h = h + attn.o_proj(torch.cat(outs)[None])  # (1, N, H)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if i == tap_layer:

@@ -238,9 +238,16 @@ def attention_dispersion(probs: torch.Tensor, n_valid: torch.Tensor) -> torch.Te
     Returns (B,) float32 in [0, 1] (0 where n_valid < 2).
     """
     p = probs.clamp_min(1e-30)
-    ent = -(probs * p.log()).sum(-1).mean(-1)  # (B,) nats
+    return dispersion_from_entropy(-(probs * p.log()).sum(-1).mean(-1), n_valid)
+
+
+def dispersion_from_entropy(entropy: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """The dispersion rule of :func:`attention_dispersion` from the head-mean attention entropy:
+    entropy (B,) float32 nats / log(n_valid), 0 where n_valid < 2 (a single attended position
+    has no spread). n_valid (B,) int64. Returns (B,) float32 in [0, 1]. The anchor builder's model
+    pass gets the entropies from a native kernel (``torch.ops.sfcl.causal_softmax_entropy_``)."""
     denom = n_valid.float().clamp_min(2).log()
-    return torch.where(n_valid >= 2, ent / denom, torch.zeros_like(ent))
+    return torch.where(n_valid >= 2, entropy.float() / denom, torch.zeros_like(entropy, dtype=torch.float32))
 
 
 def trigger_signals(token_logp: torch.Tensor, in_entity: torch.Tensor, d3: torch.Tensor,

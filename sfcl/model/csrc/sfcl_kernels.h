@@ -1,4 +1,4 @@
-// Declarations and helpers shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp, logit_stats.cpp).
+// Declarations and helpers shared by SFCL's CPU kernels (one library: decode_attention.cpp, decode_layers.cpp, anchor_search.cpp, int8_linear.cpp, int4_linear.cpp, logit_stats.cpp, elementwise.cpp, attention_entropy.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
