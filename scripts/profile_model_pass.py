@@ -3,7 +3,8 @@
 Usage: python scripts/profile_model_pass.py [--windows 4] [--window-tokens 1024] [--reps 2] [--profile]
        [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--ops] [--logit-rows 128,512]
 
-Runs the bundled model over ``--windows`` windows of the bundled sample corpus, prints the wall time
+Runs the bundled model over ``--windows`` windows of the bundled sample corpus (or ``--corpus``, e.g.
+``../shared/data/contractnli/dev.json``), prints the wall time
 per batch of windows against the floor the builder prints (FLOP of the pass / the GEMM rate probed
 now, ``sfcl.anchors.model_pass.gemm_rate``), and with ``--profile`` the torch.profiler table of the
 top operators by self CPU time (how the share of causal SDPA in the pass was found).
@@ -16,7 +17,9 @@ with the kernels unloaded, so with torch's element-wise operators too). ``--snap
 alternates the snapshot layer's attention weights and entropies between SFCL's one-pass kernel
 (``torch.ops.sfcl.causal_softmax_entropy_``; ``sfcl.anchors.model_pass.native_softmax``) and torch's
 eager softmax and ``attention_dispersion``. ``--logit-rows A,B`` alternates
-``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--ops`` first times each
+``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--ops`` first times
+the snapshot layer's attention with its dispersion over one window (SFCL's weights and entropies against torch's
+eager softmax), then each
 element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
 and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it.
 """
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--elementwise", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--snapshot-softmax", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--ops", action="store_true")
+    ap.add_argument("--corpus", nargs="*", help="corpus files (as `sfcl anchors build` takes them) whose text, "
+                    "joined, gives the windows (default: the bundled sample corpus)")
     ap.add_argument("--logit-rows", default="", help="comma-separated LOGIT_ROWS values to alternate")
     a = ap.parse_args(argv)
 
@@ -49,14 +54,15 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.model.loader import load_model
 
     lm = load_model(None, dtype="auto")
-    text = " ".join(d.text for d in read_corpus(sample_corpus_files()))
+    text = " ".join(d.text for d in read_corpus(a.corpus or sample_corpus_files()))
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     W = a.window_tokens
     wins = [ids[i * W:(i + 1) * W] for i in range(a.windows)]
     if len(wins[-1]) < W:
-        raise SystemExit(f"the sample corpus has fewer than {a.windows} windows of {W} tokens")
+        raise SystemExit(f"the corpus has fewer than {a.windows} windows of {W} tokens")
     layer = lm.args.n_layers * 3 // 4
     if a.ops:
+        _time_snapshot_attention(lm, W)
         _time_ops(lm, len(wins) * W)
     run_windows(lm.model, wins[:1], layer, 8)  # warm-up
     dtype = next(lm.model.parameters()).dtype
@@ -145,6 +151,37 @@ def _time_ops(lm, rows: int) -> None:
                     print(f"{name}, {rows} rows, {th} thread(s): SFCL's {t[0]:.2f} ms, torch's {t[1]:.2f} ms", flush=True)
     finally:
         torch.set_num_threads(threads)
+
+
+def _time_snapshot_attention(lm, T: int) -> None:
+    """p50 of 30 calls of the snapshot layer's attention with its dispersion over one window of T
+    tokens (``sfcl.anchors.model_pass._snapshot_attention``), with SFCL's one-pass weights and
+    entropies against torch's eager softmax, and causal SDPA without weights beside them."""
+    import torch.nn.functional as F
+
+    from sfcl.anchors import model_pass
+    from sfcl.model import decode_kernel
+
+    if not decode_kernel.load(verbose=False):
+        print("--ops: SFCL's kernels are not loaded here")
+        return
+    attn = lm.model.layers[0].self_attn
+    ar, dt = lm.args, next(lm.model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, ar.n_heads, T, ar.head_dim, generator=g) * 2).to(dt)
+    k, v = ((torch.randn(1, ar.n_kv_heads, T, ar.head_dim, generator=g) * 2).to(dt) for _ in range(2))
+    native = model_pass.native_softmax
+    try:
+        with torch.inference_mode():
+            ours = _p50(lambda: model_pass._snapshot_attention(attn, q, k, v))
+            model_pass.native_softmax = lambda q: False
+            theirs = _p50(lambda: model_pass._snapshot_attention(attn, q, k, v))
+            sdpa = _p50(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    finally:
+        model_pass.native_softmax = native
+    print(f"snapshot attention with dispersion, one {T}-token window ({str(dt).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads): SFCL's weights and entropies {ours:.2f} ms, torch's eager softmax "
+          f"{theirs:.2f} ms (causal SDPA without weights {sdpa:.2f} ms)", flush=True)
 
 
 def _p50(fn, reps: int = 30) -> float:

@@ -63,10 +63,10 @@ def test_summarize_figures():
     assert sm.itl_p50_ms == pytest.approx(20.0)
     assert sm.itl_var_ms2 == pytest.approx((100.0 + 0.0) / 2)  # per-request variances averaged
     assert sm.snapshots_per_1k_tokens == pytest.approx(1000 * 2 / 6)
-    assert sm.lookup_p50_ms == pytest.approx(0.3)
+    assert sm.lookup_p50_ms == pytest.approx(0.3) and sm.lookups == 2
     assert sm.peak_rss_bytes == 123 and sm.tokens_counted_by == "usage"
     off = summarize("x", "single", 1, ss[:2])  # wall time from the samples' own clock
-    assert off.snapshots_per_1k_tokens is None and off.lookup_p99_ms is None
+    assert off.snapshots_per_1k_tokens is None and off.lookup_p99_ms is None and off.lookups is None
     assert off.wall_s == pytest.approx(0.05 + 0.24)
 
 
@@ -104,6 +104,19 @@ def test_targets_ratios_and_marks():
     assert trig.value == pytest.approx(0.99) and trig.mark == "PASS"
     assert alw.value == pytest.approx(0.5) and alw.mark == "info"
     assert second.value == pytest.approx(99.0 / 20.0) and second.mark == "info"
+
+
+def test_lookup_targets_name_how_many_lookups_the_p99_rests_on():
+    rows = synthetic_rows()
+    rows[1].lookups, rows[1].lookup_p50_ms, rows[1].lookup_p99_ms = 250, 0.12, 0.27  # triggered, 16 streams
+    rows[7].lookups, rows[7].lookup_p50_ms, rows[7].lookup_p99_ms = 21, 0.11, 0.38  # triggered, single
+    rows[0].lookups, rows[0].lookup_p99_ms = 9, 5.0  # sfcl-off: not a target
+    checks = report.compute_targets(rows)
+    c16, single = checks[10:]
+    assert c16.name == "snapshot lookup p99 ms, sfcl-triggered, concurrent at 16 stream(s)"
+    assert c16.value == 0.27 and c16.mark == "PASS" and c16.detail == "250 lookups, p50 0.120 ms"
+    assert single.value == 0.38 and single.mark == "FAIL" and "about their maximum" in single.detail
+    assert "| 250 | 0.120 | 0.270 |" in report.markdown(rows, checks, {})
 
 
 def test_targets_fall_back_to_largest_common_level():

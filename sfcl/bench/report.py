@@ -16,7 +16,8 @@ from sfcl.bench.stats import RequestSample, Summary, ratio
 
 @dataclass(slots=True)
 class TargetCheck:
-    """One target: ``value`` (a measured ratio) compared with ``threshold`` by ``op``.
+    """One target: ``value`` (a measured ratio, or a figure in the unit its name gives) compared
+    with ``threshold`` by ``op``.
     ``passed`` is None when the ratio could not be measured (a system or workload missing) or
     when the line is informative only (threshold None)."""
 
@@ -57,6 +58,9 @@ def _common_level(rows: Sequence[Summary], a: str, b: str, prefer: int) -> int |
     return prefer if prefer in both else max(both)
 
 
+LOOKUPS_FOR_P99 = 100  # fewer lookups than this, and a p99 is close to their single slowest
+
+
 def compute_targets(rows: Sequence[Summary], sfcl: str = "sfcl-triggered", off: str = "sfcl-off",
                     always: str = "sfcl-always", peer: str = "llama-server",
                     second_peer: str = "llamacpp") -> list[TargetCheck]:
@@ -64,7 +68,9 @@ def compute_targets(rows: Sequence[Summary], sfcl: str = "sfcl-triggered", off: 
     (``peer``): throughput of the default server (``sfcl``: snapshot mode triggered) >= 1.5x the
     peer's at 16 streams and >= 2x at 32; single-stream decode (1/TPOT p50) >= 0.8x; cold TTFT p95
     on the long document <= 0.5x; repeated-document TTFT p95 <= 0.1x SFCL's own cold; peak RSS at 16
-    streams <= 1.5x; triggered >= 0.98x off (always / off informative). The llama-cpp-python server
+    streams <= 1.5x; triggered >= 0.98x off (always / off informative); the snapshot lookup's p99
+    <= 0.3 ms at every single-stream and concurrent level ``sfcl`` ran, with the lookups counted
+    (p99 of fewer than ``LOOKUPS_FOR_P99`` is close to their maximum). The llama-cpp-python server
     (``second_peer``, one request at a time) stays as an informative 16-stream row. A level that
     was not measured by both falls back to the largest common one (named in the line)."""
     out = []
@@ -109,6 +115,13 @@ def compute_targets(rows: Sequence[Summary], sfcl: str = "sfcl-triggered", off: 
     out.append(TargetCheck(f"throughput at {lvl or 16} streams, {sfcl} / {second_peer} (one request at a time)",
                            ratio(a and a.tokens_per_s, b and b.tokens_per_s), "", None,
                            f"{_fmt(a and a.tokens_per_s)} vs {_fmt(b and b.tokens_per_s)} tok/s"))
+    for r in rows:  # the snapshot lookup inside the busy server, each level SFCL ran with lookups
+        if r.system == sfcl and r.workload in ("single", "concurrent") and r.lookups:
+            few = r.lookups < LOOKUPS_FOR_P99
+            out.append(TargetCheck(
+                f"snapshot lookup p99 ms, {sfcl}, {r.workload} at {r.concurrency} stream(s)", r.lookup_p99_ms, "<=",
+                0.3, f"{r.lookups} lookups, p50 {_fmt(r.lookup_p50_ms, 3)} ms"
+                + (f" (under {LOOKUPS_FOR_P99}: this p99 is about their maximum)" if few else "")))
     return out
 
 
@@ -117,7 +130,7 @@ COLUMNS = [("system", "system"), ("workload", "workload"), ("conc", "concurrency
            ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p95 ms", "ttft_p95_ms"), ("TPOT p50 ms", "tpot_p50_ms"),
            ("TPOT p95 ms", "tpot_p95_ms"), ("ITL p50 ms", "itl_p50_ms"), ("ITL p95 ms", "itl_p95_ms"),
            ("gap var ms²", "itl_var_ms2"), ("peak RSS MiB", "peak_rss_bytes"), ("GPU MiB", "gpu_mem_bytes"),
-           ("lookups/1k tok", "snapshots_per_1k_tokens"), ("lookup p50 ms", "lookup_p50_ms"),
+           ("lookups/1k tok", "snapshots_per_1k_tokens"), ("lookups", "lookups"), ("lookup p50 ms", "lookup_p50_ms"),
            ("lookup p99 ms", "lookup_p99_ms")]
 
 

@@ -99,6 +99,7 @@ class Summary:
     snapshots_per_1k_tokens: float | None = None
     lookup_p50_ms: float | None = None
     lookup_p99_ms: float | None = None
+    lookups: int | None = None  # snapshot lookups the two percentiles rest on
     tokens_counted_by: str = "usage"  # usage | chunks | generate
 
     def to_dict(self) -> dict:
@@ -109,7 +110,8 @@ def summarize(system: str, workload: str, concurrency: int, samples: Iterable[Re
               wall_s: float | None = None, peak_rss_bytes: int | None = None,
               gpu_mem_bytes: int | None = None, snapshots: bool = False) -> Summary:
     """Summary of ``samples``. wall_s: the workload's wall time (default: first send to last end).
-    snapshots=True fills the snapshot columns (lookups per 1,000 output tokens, lookup p50/p99)."""
+    snapshots=True fills the snapshot columns (lookups per 1,000 output tokens, lookup p50/p99 and
+    how many lookups they rest on)."""
     ss = list(samples)
     ok = [s for s in ss if s.error is None]
     tokens = sum(s.output_tokens for s in ok)
@@ -133,5 +135,6 @@ def summarize(system: str, workload: str, concurrency: int, samples: Iterable[Re
         snapshots_per_1k_tokens=(1000.0 * n_snap / tokens if tokens else None) if snapshots else None,
         lookup_p50_ms=percentile(look, 50) if snapshots else None,
         lookup_p99_ms=percentile(look, 99) if snapshots else None,
+        lookups=len(look) if snapshots else None,
         tokens_counted_by=by,
     )
