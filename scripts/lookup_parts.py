@@ -1,6 +1,6 @@
 """Where one snapshot lookup's time goes, with warm and with evicted caches.
 
-    python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64]
+    python scripts/lookup_parts.py --anchors LIB [--reps 300] [--evict-mb 64] [--rows 1,2,3,4,5]
 
 Times, on one thread, ``Snapshotter.lookup`` for one row (the part of a served lookup that its
 ``lookup_ms`` measures), ``AnchorIndex.search`` for one row (what the server calls per lookup), the
@@ -13,7 +13,8 @@ numpy as ``Snapshotter.lookup`` does it and in torch, and an empty call, each on
 warm caches and once right after copying ``--evict-mb`` MB (the memory traffic of a decode step,
 which is what the in-step lookup follows). Queries: library vectors plus noise (latency does not
 depend on what they are; recall is measured on real NDA states by ``scripts/anchor_search_bench.py``).
-Prints p50 / p99 in ms per case. The 2026-12-04 before/after figures in docs/benchmarks.md came
+``--rows 2,3,4`` adds ``Snapshotter.lookup`` of that many rows at once (the rows that fired in one
+decode step share one search and its time). Prints p50 / p99 in ms per case. The 2026-12-04 before/after figures in docs/benchmarks.md came
 from this script's faiss version on ``1e90854`` and on the change after it.
 """
 
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--evict-mb", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rows", default="1", help="comma-separated batch sizes: Snapshotter.lookup of that many rows "
+                    "at once (the rows that fired in one decode step share one search)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     lib = load_library(a.anchors)
@@ -60,7 +63,8 @@ def main() -> None:
     if index.cells is None:
         raise SystemExit(f"{lib.n_anchors} anchors: below the IVF size, the index is dense")
     g = torch.Generator().manual_seed(0)
-    base = lib.vectors[torch.randint(0, lib.n_anchors, (a.reps,), generator=g)].float()
+    batches = sorted({int(b) for b in a.rows.split(",") if b} - {1})
+    base = lib.vectors[torch.randint(0, lib.n_anchors, (a.reps * max([1] + batches),), generator=g)].float()
     q = base + 0.3 * base.std() * torch.randn(base.shape, generator=g)
     unit = [(r / r.norm())[None].contiguous() for r in q]
     c = index.cells
@@ -101,6 +105,8 @@ def main() -> None:
              ("hit epilogue, numpy (the lookup's)", epilogue_numpy),
              ("hit epilogue, torch", epilogue_torch),
              ("empty call", lambda i: None)]
+    cases[1:1] = [(f"Snapshotter.lookup, {b} rows at once", lambda i, b=b: snap.lookup(q[i * b:(i + 1) * b]))
+                  for b in batches]
     print(f"{lib.n_anchors} anchors, IVF with int8 codes, nlist {c.nlist}, nprobe {index.nprobe}, "
           f"{n_cand} candidates re-scored, CPU {torch.backends.cpu.get_cpu_capability()}")
     print(f"| case | warm p50 ms | warm p99 ms | after {a.evict_mb} MB copy p50 ms | p99 ms |")
