@@ -54,29 +54,28 @@ def test_batching_windows_changes_nothing(lm_fp32, windows):
     """In float32: on an Intel Xeon with AMX (2026-12-05) bf16 GEMMs round differently for
     different row counts, and a window batched with others moved bf16 hidden states by up to 3.0
     (one bf16 step at their magnitude) at 78% of positions."""
-    lm = lm_fp32
-    together = run_windows(lm.model, windows, LAYER, K)
-    for w, t in zip(windows, together):
+    _assert_each_as_alone(lm_fp32, windows)
+
+
+def _assert_each_as_alone(lm, wins):
+    """Each window of one ``run_windows`` call over ``wins`` equals its own call."""
+    together = run_windows(lm.model, wins, LAYER, K)
+    for w, t in zip(wins, together):
         [alone] = run_windows(lm.model, [w], LAYER, K)
         torch.testing.assert_close(t.hidden, alone.hidden, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(t.surprisal, alone.surprisal, atol=1e-4, rtol=0)
+        torch.testing.assert_close(t.top_probs, alone.top_probs, atol=1e-5, rtol=0)
         torch.testing.assert_close(t.dispersion, alone.dispersion, atol=1e-5, rtol=0)
 
 
 def test_equal_length_windows_share_one_attention_call(lm_fp32, windows):
     """Windows of one length run through causal SDPA as one batch (``_equal_runs``); each comes out
     as it does alone, and a shorter window after them keeps its own call."""
-    lm = lm_fp32
     ids = windows[0]
     wins = [ids[:100], ids[100:200], ids[200:300], ids[:57]]
     assert _equal_runs([len(w) for w in wins]) == [(0, 3, 100), (300, 1, 57)]
     assert _equal_runs([5, 5, 7, 5]) == [(0, 2, 5), (10, 1, 7), (17, 1, 5)]
-    together = run_windows(lm.model, wins, LAYER, K)
-    for w, t in zip(wins, together):
-        [alone] = run_windows(lm.model, [w], LAYER, K)
-        torch.testing.assert_close(t.hidden, alone.hidden, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(t.top_probs, alone.top_probs, atol=1e-5, rtol=0)
-        torch.testing.assert_close(t.dispersion, alone.dispersion, atol=1e-5, rtol=0)
+    _assert_each_as_alone(lm_fp32, wins)
 
 
 def test_bad_windows(lm):
