@@ -134,11 +134,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     deadline = threading.Timer(a.shutdown_timeout, past_deadline)
     deadline.daemon = True
-    signals_seen = [0]
+    signals_seen = [0, None]  # how many, and the first one
 
     def handle_exit(sig, frame) -> None:
         signals_seen[0] += 1
         if signals_seen[0] == 1:
+            signals_seen[1] = sig
             print(f"sfcl: shutting down; open streams get {a.shutdown_timeout:g} s to finish (a second signal ends "
                   f"them now)", file=sys.stderr, flush=True)
             deadline.start()
@@ -161,4 +162,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         server.run()
     finally:
         built.engine.shutdown()
-    return 0
+    # uvicorn re-raises a captured SIGINT (KeyboardInterrupt: 130 in sfcl.cli.main), but a process
+    # started with SIGINT ignored (a background job of a non-interactive shell) keeps ignoring it
+    return 130 if signals_seen[1] == signal.SIGINT else 0
