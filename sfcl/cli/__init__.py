@@ -22,12 +22,30 @@ anchors calibrate``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from sfcl.engine.openmp_env import limit_openmp_spinning
 
 # before torch loads libgomp, which reads GOMP_SPINCOUNT once (sfcl.engine.threads, item 3)
 limit_openmp_spinning()
+
+PROGRESS_LOG_INTERVAL_S = 10  # seconds between a progress bar's updates when stderr is a file or pipe
+
+
+def quiet_progress_in_logs() -> bool:
+    """Progress bars (tqdm) written to a file or a pipe, as a service's log is, update every
+    ``PROGRESS_LOG_INTERVAL_S`` seconds instead of up to ten times a second: each update is a
+    carriage-return line there, and a first start's anchor build left long runs of them. tqdm
+    reads ``TQDM_MININTERVAL`` when it is imported, so this runs before any command imports it; a
+    value the user set wins. Returns True when it set the value."""
+    if sys.stderr is None or sys.stderr.isatty() or "TQDM_MININTERVAL" in os.environ:
+        return False
+    os.environ["TQDM_MININTERVAL"] = str(PROGRESS_LOG_INTERVAL_S)
+    return True
+
+
+quiet_progress_in_logs()
 
 from sfcl.cli import anchors, bench, generate, ingest, llama_server, serve, soak  # noqa: E402
 from sfcl.cli import eval as eval_cli  # noqa: E402
