@@ -35,7 +35,7 @@ from sfcl.server.auth import check_api_key
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
-from sfcl.server.parsing import read_body, read_json
+from sfcl.server.parsing import body_json, read_body
 from sfcl.server.request_log import setup_request_logger
 
 
@@ -136,7 +136,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
             if ctype != "application/json":
                 raise ApiError(415, f"body: expected content-type application/json, got {ctype or 'none'}",
                                param="body")
-            data = await read_json(request)
+            data = await body_json(body)
             if not isinstance(data, dict) or not isinstance(data.get("path", ""), (str, type(None))) \
                     or set(data) - {"path"}:
                 raise ApiError(400, "body: expected {} or {\"path\": \"LIBRARY_DIR\"}", param="body")

@@ -129,10 +129,9 @@ async def _off_loop_if_large(size: int, fn: Callable[..., Any], *args: Any) -> A
     return fn(*args)
 
 
-async def read_json(request: Request) -> Any:
-    """Body -> JSON value (``read_body`` + ``decode_json``, in a worker thread for a large body);
-    raises what they raise."""
-    raw = await read_body(request)
+async def body_json(raw: bytes) -> Any:
+    """Body bytes (``read_body``) -> JSON value: ``decode_json``, in a worker thread for a large
+    body; raises what it raises."""
     return await _off_loop_if_large(len(raw), decode_json, raw)
 
 
