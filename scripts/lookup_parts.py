@@ -68,7 +68,7 @@ def main() -> None:
     q = base + 0.3 * base.std() * torch.randn(base.shape, generator=g)
     unit = [(r / r.norm())[None].contiguous() for r in q]
     c = index.cells
-    cells = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
+    cells = c.arrays()
     n_cand = candidates(a.k, index.n)
     found = [index.search(q[i:i + 1], a.k) for i in range(a.reps)]
     w, d = lib.weights.float(), lib.decay.float()
@@ -107,7 +107,7 @@ def main() -> None:
              ("empty call", lambda i: None)]
     cases[1:1] = [(f"Snapshotter.lookup, {b} rows at once", lambda i, b=b: snap.lookup(q[i * b:(i + 1) * b]))
                   for b in batches]
-    print(f"{lib.n_anchors} anchors, IVF with int8 codes, nlist {c.nlist}, nprobe {index.nprobe}, "
+    print(f"{lib.n_anchors} anchors, IVF with 4-bit codes (groups: int8), nlist {c.nlist}, nprobe {index.nprobe}, "
           f"{n_cand} candidates re-scored, CPU {torch.backends.cpu.get_cpu_capability()}")
     print(f"| case | warm p50 ms | warm p99 ms | after {a.evict_mb} MB copy p50 ms | p99 ms |")
     print("|---|---|---|---|---|")

@@ -13,9 +13,13 @@ from sfcl.library.index import (
     IVF_GROUP_PROBE,
     IVF_LIST_SIZE,
     IVF_MIN_ANCHORS,
+    SQ4_CLIP,
     AnchorIndex,
     candidates,
     ivf_search_torch,
+    sq4_query,
+    sq4_rows,
+    sq4_unpack,
 )
 from sfcl.library.store import load_library_dir
 from sfcl.model import decode_kernel
@@ -260,7 +264,7 @@ def test_native_pass_equals_the_torch_pass(big, kernel):
     q[3] = float("nan")
     q[7, 0] = float("inf")
     for k in (1, 3, 10):
-        args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
+        args = c.arrays()
         s_n, i_n, c_n = decode_kernel.module().anchor_search(q, ivf.stored, *args, ivf.nprobe, k, candidates(k, ivf.n))
         s_t, i_t = ivf_search_torch(c, ivf.stored, q, ivf.nprobe, k, candidates(k, ivf.n))
         assert torch.equal(i_n, i_t)
@@ -282,7 +286,7 @@ def test_native_pass_confidences_are_the_snapshot_rule(big, kernel):
     q[5] = float("nan")
     w = torch.rand(lib.n_anchors, generator=g) * 1.5  # above 1 too: the rule clips at 1
     lam = torch.rand(lib.n_anchors, generator=g) * 20
-    args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale, ivf.nprobe, 3, candidates(3, ivf.n))
+    args = (*c.arrays(), ivf.nprobe, 3, candidates(3, ivf.n))
     s, i, conf = decode_kernel.module().anchor_search(q, ivf.stored, *args, w, lam)
     ok = torch.ones(len(q), dtype=torch.bool)
     ok[5] = False
@@ -320,7 +324,7 @@ def test_grouped_cells_recall_and_the_two_passes_agree(grouped, kernel):
     _, i_ref = exact.search(q, 3)
     _, i = ivf.search(q, 3)
     assert np.mean([len(set(a) & set(b)) / 3 for a, b in zip(i.tolist(), i_ref.tolist())]) >= 0.95
-    args = (c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale)
+    args = c.arrays()
     for nprobe, gp in ((ivf.nprobe, ivf.group_probe), (200, 1), (12, c.ngroups)):
         s_n, i_n, _ = decode_kernel.module().anchor_search(q, ivf.stored, *args, nprobe, 3, candidates(3, ivf.n),
                                                            None, None, *c.groups(), gp)
@@ -364,10 +368,8 @@ def test_ivf_cells_partition_the_library(big):
     c = AnchorIndex(lib, approximate=True, native=False).cells
     assert sorted(c.members.tolist()) == list(range(lib.n_anchors))
     assert c.offsets[0] == 0 and c.offsets[-1] == lib.n_anchors and (c.offsets.diff() >= 0).all()
-    # codes * scale reproduce each member's stored vector to int8 precision (half a step per element)
-    approx = c.codes.float() * c.code_scale[:, None]
-    err = (approx - lib.vectors[c.members.long()].float()).abs().amax(1)
-    assert (err <= c.code_scale / 2 + 1e-6).all()
+    assert c.codes.dtype == torch.uint8 and c.codes.shape == (lib.n_anchors, -(-lib.hidden_size // 64) * 32)
+    assert c.centroids.shape == (c.nlist, c.codes.shape[1]) and c.code_step.shape == (2 * c.codes.shape[1],)
 
 
 def test_anchor_search_rejects_inconsistent_arguments(big, kernel):
@@ -375,11 +377,11 @@ def test_anchor_search_rejects_inconsistent_arguments(big, kernel):
     ivf = AnchorIndex(lib, approximate=True, native=True)
     c = ivf.cells
     q = torch.randn(2, lib.hidden_size)
-    good = dict(queries=q, stored=ivf.stored, centroids=c.centroids, centroid_scale=c.centroid_scale,
-                offsets=c.offsets, members=c.members, codes=c.codes, code_scale=c.code_scale)
-    bad = {"queries": q.double(), "stored": ivf.stored.float(), "centroids": c.centroids.float(),
-           "centroid_scale": c.centroid_scale[:-1], "offsets": c.offsets[:-1], "members": c.members.long(),
-           "codes": c.codes[:-1], "code_scale": c.code_scale.double()}
+    good = dict(queries=q, stored=ivf.stored, centroids=c.centroids, centroid_step=c.centroid_step,
+                centroid_vectors=c.centroid_vectors, offsets=c.offsets, members=c.members, codes=c.codes, code_step=c.code_step)
+    bad = {"queries": q.double(), "stored": ivf.stored.float(), "centroids": c.centroids.to(torch.int8),
+           "centroid_step": c.centroid_step[:-1], "centroid_vectors": c.centroid_vectors.float(), "offsets": c.offsets[:-1], "members": c.members.long(),
+           "codes": c.codes[:-1], "code_step": c.code_step.double()}
     for name, value in bad.items():
         args = dict(good, **{name: value})
         with pytest.raises(RuntimeError, match="anchor_search"):
@@ -424,7 +426,7 @@ def test_native_search_keeps_the_gil(big, kernel):
             prev = now
 
     c = ivf.cells
-    args = (ivf.stored, c.centroids, c.centroid_scale, c.offsets, c.members, c.codes, c.code_scale, ivf.nprobe, 3,
+    args = (ivf.stored, *c.arrays(), ivf.nprobe, 3,
             candidates(3, ivf.n))
     search = decode_kernel.module().anchor_search
     search(q[:1], *args)  # warm
@@ -450,3 +452,43 @@ def test_native_search_keeps_the_gil(big, kernel):
     assert min(solo) > 0.005
     stopped = [b - t0 for a, b in gaps if a <= t0 <= b]  # how long after the call's start the spinner ran again
     assert stopped and stopped[0] >= 0.8 * min(solo), (min(solo), gaps)
+
+
+def test_sq4_rows_pack_codes_of_each_dimension_range():
+    """sq4_rows: 4-bit codes of each dimension's clipped range, two per byte in the documented order
+    (block of 64 dimensions: byte j low = dimension j, high = dimension 32 + j), the width padded
+    to a multiple of 64 with step 0 and code 0, and every value inside its range within half a step."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 100, generator=g) * torch.linspace(0.1, 3, 100)
+    packed, step = sq4_rows(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (300, 64) and step.shape == (128,)
+    codes = sq4_unpack(packed)  # (300, 128)
+    assert codes.max() <= 15 and (codes[:, 100:] == 0).all() and (step[100:] == 0).all()
+    byte = packed[:, 5]  # block 0, byte 5: dimensions 5 (low nibble) and 37 (high)
+    assert torch.equal(byte & 15, codes[:, 5]) and torch.equal(byte >> 4, codes[:, 37])
+    assert torch.equal(packed[:, 32 + 7] & 15, codes[:, 64 + 7])  # block 1, byte 7: dimension 71
+    lo = torch.quantile(x, SQ4_CLIP, dim=0)
+    hi = torch.quantile(x, 1 - SQ4_CLIP, dim=0)
+    assert torch.allclose(step[:100], (hi - lo) / 15, rtol=1e-5)
+    inside = (x >= lo) & (x <= hi)
+    err = (lo + codes[:, :100].float() * step[:100] - x).abs()
+    assert (err[inside] <= (step[:100] / 2 + 1e-5).expand_as(err)[inside]).all()
+    assert inside.float().mean() > 0.95  # the clip leaves out about 2% per dimension
+
+
+def test_sq4_query_ranks_rows_as_their_inner_products():
+    """The integer sums of sq4_query's codes against rows' 4-bit codes rank the rows as q . x of the
+    rows the codes reconstruct (up to the query's int8 rounding): the IVF pass's approximate score."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.nn.functional.normalize(torch.randn(2000, 192, generator=g), dim=1)
+    packed, step = sq4_rows(x)
+    q = torch.nn.functional.normalize(torch.randn(1, 192, generator=g), dim=1)
+    q8, scale = sq4_query(q, step)
+    approx = scale * (sq4_unpack(packed).float() @ q8.float()[0])  # (2000,) q . x up to q . lo
+    exact = x @ q[0]
+    top = set(torch.topk(exact, 20).indices.tolist())
+    assert len(top & set(torch.topk(approx, 40).indices.tolist())) >= 18
+    assert torch.corrcoef(torch.stack([approx, exact]))[0, 1] > 0.97
+    lo = torch.quantile(x, SQ4_CLIP, dim=0)  # the constant sq4_query leaves out
+    err = (approx + q[0] @ lo - exact).abs()
+    assert err.mean() < 0.01 and err.max() < 0.05  # 4-bit steps of ~0.02 per dimension

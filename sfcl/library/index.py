@@ -15,22 +15,33 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   candidates, re-scored in float32 against the stored vectors.
 - **ivf** (``approximate=True`` and at least ``IVF_MIN_ANCHORS`` anchors): an inverted file
   (Jégou et al., "Product quantization for nearest neighbor search", TPAMI 2011, section on the
-  inverted file) over ``nlist = N / IVF_LIST_SIZE`` cells (spherical k-means, faiss), with int8
-  codes (one float32 scale per row) of the cell centroids and of the anchors, cell by cell; from
+  inverted file) over ``nlist = N / IVF_LIST_SIZE`` cells (spherical k-means, faiss), with 4-bit
+  codes (``sq4_rows``: per-dimension ranges, two codes per byte) of the cell centroids and of the
+  anchors' residuals from their cell's centroid (as faiss's IndexIVFScalarQuantizer with
+  ``by_residual``), cell by cell; from
   ``GROUPED_MIN_CELLS`` cells on, the cells are grouped by a second k-means over their centroids
-  (~sqrt(nlist) groups; the two-level tree of Muja & Lowe, "Scalable nearest neighbor algorithms
-  for high dimensional data", TPAMI 2014). A query, itself quantised to int8 codes (``int8_rows``;
-  integer dot products, exact), scores the groups' centroids, then the centroids of the
+  (~sqrt(nlist) groups, their centroids as int8 codes, ``int8_rows``; the two-level tree of Muja &
+  Lowe, "Scalable nearest neighbor algorithms for high dimensional data", TPAMI 2014). A query scores
+  the groups' centroids (its int8 codes against theirs), then the centroids of the
   ``IVF_GROUP_PROBE`` best groups' cells (every centroid when ungrouped), scans the ``nprobe`` best
   cells' codes, keeps ``max(4k, k + 16)`` candidates and re-scores them in float32 against the
-  stored float16 vectors, so the returned scores are the stored vectors' own. The kernel module's
+  stored float16 vectors, so the returned scores are the stored vectors' own. Against 4-bit codes
+  the query is the int8 codes q8 (scale s) of its product with the codes' per-dimension steps
+  (``sq4_query``): with x ~ lo + code * step, q . x = q . lo + s sum_d q8_d code_d, and q . lo is
+  the same for every row of a query, so the integer sums (exact) rank the centroids; an anchor in
+  cell c, x = c + r, scores q . c (the centroid's float16 vector, float32 sums) + s sum_d q8_d
+  code(r)_d. Residuals span a narrower range than the vectors, so their 4-bit steps are finer:
+  recall@3 on the 32,731 anchors of the 61 dev NDAs was 0.971 with 4-bit codes of the vectors
+  against 0.983 with int8 codes (``scripts/anchor_search_bench.py``, 2026-12-05). The kernel module's
   ``anchor_search`` / ``anchor_lookup`` (``sfcl/model/csrc/anchor_search.cpp``, one call, one
   thread, the GIL held) runs these steps when SFCL's native kernels are built
   (``sfcl.model.decode_kernel.load``), and also computes the found anchors' snapshot confidences;
   :func:`ivf_search_torch` is the same steps in torch operators, used without them. Why codes,
   groups and one call: a served lookup follows a decode step's forward, which has evicted the
   caches, and the search's time was memory traffic (float32 centroids and float16 lists, ~1 MB
-  per query; int8 codes of every centroid, 0.6 MB for 32,768 anchors, before the groups) and
+  per query; int8 codes of every centroid, 0.6 MB for 32,768 anchors, before the groups; 4-bit codes
+  since the twentieth session: a lookup of several rows after a decode step is bytes, ~0.045 ms per
+  row of ~0.4 MB of int8 codes) and
   Python-level operations at tens of microseconds each (docs/performance-journal.md, twelfth and
   fifteenth sessions; creating three small tensors cost ~0.05 ms, so ``search_lists``, the served
   lookup's call, returns Python lists). Why the GIL held: a torch operator releases it, and taking
@@ -39,7 +50,7 @@ Two ways to search, both scoring against the library's stored float16 vectors in
 
 The returned scores and their order are exact for the stored vectors (up to float32 summation
 order); what the approximate pass can do is miss a true top-k anchor (a cell not scanned, or an
-anchor whose int8 score fell outside the candidates). A row whose scanned cells hold fewer than k
+anchor whose 4-bit score fell outside the candidates). A row whose scanned cells hold fewer than k
 anchors, or whose query is not finite, is searched exactly over all anchors instead.
 """
 
@@ -64,7 +75,10 @@ IVF_LIST_SIZE = 32  # anchors per IVF cell on average: nlist = N / IVF_LIST_SIZE
 # AVX-512 BF16 EPYC, 1,314 states of 3 NDAs): nprobe 12 / 8 0.9706 / 0.9515 on the default library,
 # 0.9853 / 0.9762 on the 32,731 anchors of all 61 dev NDAs; 12 and 8 now differ by ~10% in time.
 # With the query quantised too and the groups (2026-12-05, Intel Xeon AMX, same states): nprobe 12 /
-# 8 0.9678 / 0.9521 on the default library, 0.9741 (12) on the 61 NDAs' anchors.
+# 8 0.9678 / 0.9521 on the default library, 0.9741 (12) on the 61 NDAs' anchors. With 4-bit codes of
+# the centroids and of the residuals (twentieth session, same machine and states): nprobe 12 / 16
+# 0.9670 / 0.9769 on the default library (int8 codes in the same run: 0.9696 at 12), 0.9754 / 0.9795
+# on the 61 NDAs' 32,731 anchors (int8: 0.9825 at 12).
 IVF_NPROBE = 12
 IVF_TRAIN_ITERS = 10  # k-means iterations of the cell centroids
 # Groups of cells (a second k-means level over the cell centroids, ~sqrt(nlist) groups): a query
@@ -77,6 +91,17 @@ IVF_GROUP_PROBE = 8
 GROUPED_MIN_CELLS = 256
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
 IVF_MAX_K = 64  # above this many anchors per query the IVF pass saves nothing: exact search
+SQ4_BLOCK = 64  # dimensions per block of packed 4-bit codes (sq4_rows); D is padded to a multiple
+# Quantiles that bound each dimension's 4-bit range (sq4_rows). recall@3 of the IVF pass against
+# exact search (1,314 NDA answer and prompt states, default library, a scratch study with float
+# queries, 2026-12-05 Intel Xeon AMX): int8 codes 0.9708; 4-bit codes of the vectors with full
+# ranges 0.9518, clipped to the 0.1% / 99.9% quantiles 0.9609, to the 1% / 99% ones 0.9675 (the
+# centroids' clip, SQ4_CLIP). Of the residuals (SQ4_RESIDUAL_CLIP) 0.9708 / 0.9693 / 0.9701 clipped
+# at 0.1 / 0.3 / 1%, and on the 32,731 anchors of the 61 NDAs 0.9881 / 0.9883 / 0.9883 (int8: 0.9886;
+# 4-bit codes of the vectors: 0.9805).
+SQ4_CLIP = 0.01
+SQ4_RESIDUAL_CLIP = 0.001
+SQ4_QUANTILE_ROWS = 16384  # rows (a strided sample) whose quantiles set the ranges
 TORCH_PASS_ROWS = 8  # queries per chunk of ivf_search_torch (its float32 copy of the scanned codes)
 _TINY = float(np.finfo(np.float64).tiny)  # the norm floor: only an all-zero query is not scaled to norm 1
 
@@ -90,20 +115,23 @@ def candidates(k: int, n: int) -> int:
 class IvfCells:
     """The inverted file of an ``ivf`` :class:`AnchorIndex` (module docstring), C cells over N anchors.
 
-    centroids (C, D) int8 and centroid_scale (C,) float32: the cells' unit centroids as codes times
-    a scale; offsets (C + 1,) int64: cell c's anchors are members[offsets[c]:offsets[c + 1]]
-    (members (N,) int32 anchor ids, cell by cell); codes (N, D) int8 and code_scale (N,) float32:
-    those anchors' vectors in the same order, as codes times a scale. group_centroids (G, D) int8,
+    centroids (C, Dp / 2) uint8 and centroid_step (Dp,) float32: the cells' unit centroids as 4-bit
+    codes (``sq4_rows``; Dp = D rounded up to a multiple of 64) and each dimension's step;
+    centroid_vectors (C, D) float16: the same centroids; offsets (C + 1,) int64: cell c's anchors
+    are members[offsets[c]:offsets[c + 1]] (members (N,) int32 anchor ids, cell by cell); codes
+    (N, Dp / 2) uint8 and code_step (Dp,) float32: those anchors' residuals from their cell's
+    centroid_vectors row, in the same order, as 4-bit codes and steps. group_centroids (G, D) int8,
     group_scale (G,) float32 and group_offsets (G + 1,) int64: cells grouped by the nearest of G
     unit centroids of the cell centroids, group g holding cells group_offsets[g]:group_offsets[g + 1]
     (cells are numbered group by group); None below ``GROUPED_MIN_CELLS`` cells."""
 
     centroids: torch.Tensor
-    centroid_scale: torch.Tensor
+    centroid_step: torch.Tensor
+    centroid_vectors: torch.Tensor
     offsets: torch.Tensor
     members: torch.Tensor
     codes: torch.Tensor
-    code_scale: torch.Tensor
+    code_step: torch.Tensor
     group_centroids: torch.Tensor | None = None
     group_scale: torch.Tensor | None = None
     group_offsets: torch.Tensor | None = None
@@ -120,10 +148,14 @@ class IvfCells:
         """(group_centroids, group_scale, group_offsets): the native pass's group arguments."""
         return self.group_centroids, self.group_scale, self.group_offsets
 
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """(centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step): the
+        native pass's cell arguments, in its order."""
+        return (self.centroids, self.centroid_step, self.centroid_vectors, self.offsets, self.members, self.codes,
+                self.code_step)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.centroids, self.centroid_scale, self.offsets,
-                                                           self.members, self.codes, self.code_scale, *self.groups())
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.arrays(), *self.groups()) if t is not None)
 
 
 class AnchorIndex:
@@ -133,8 +165,8 @@ class AnchorIndex:
     bfloat16 (half that) or float16 (the memory-mapped library tensor itself, no copy); the
     default ``fast_float_dtype()`` of the caller picks what this CPU multiplies fastest.
     approximate: use the IVF pass for libraries of at least ``IVF_MIN_ANCHORS`` anchors; the
-    index then holds its :class:`IvfCells` (about N*D bytes of int8 codes; 9.4 MiB for the 17,069
-    anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
+    index then holds its :class:`IvfCells` (about N*D/2 bytes of 4-bit codes; 4.7 MiB for the
+    17,069 anchors of the default library) and no dense copy. nprobe: cells scanned per query (default
     ``IVF_NPROBE``); list_size: anchors per cell on average (default ``IVF_LIST_SIZE``). native:
     run the IVF pass with the kernel module's ``anchor_search`` when SFCL's native kernels load (None
     or True; they are built first if this machine kind has no build, and ``self.native`` says
@@ -222,8 +254,7 @@ class AnchorIndex:
                 or query.dim() != 2 or query.shape[1] != self.dim or query.requires_grad or not query.is_contiguous():
             return None
         c = self.cells
-        s_l, i_l, c_l, short = self._native_lookup(query, self.stored, c.centroids, c.centroid_scale, c.offsets,
-                                                   c.members, c.codes, c.code_scale, self._nprobe, k,
+        s_l, i_l, c_l, short = self._native_lookup(query, self.stored, *c.arrays(), self._nprobe, k,
                                                    candidates(k, self.n), weights, decay, *c.groups(),
                                                    self._group_probe)
         return None if short else (s_l, i_l, c_l)
@@ -253,8 +284,7 @@ class AnchorIndex:
         c = self.cells
         conf = None
         if self._native_search is not None:  # keeps the GIL (bindings.cpp)
-            scores, ids, conf = self._native_search(q, self.stored, c.centroids, c.centroid_scale, c.offsets,
-                                                    c.members, c.codes, c.code_scale, self._nprobe, k,
+            scores, ids, conf = self._native_search(q, self.stored, *c.arrays(), self._nprobe, k,
                                                     candidates(k, self.n), weights, decay, *c.groups(),
                                                     self._group_probe)
             if weights is None:
@@ -303,9 +333,10 @@ def build_cells(x: np.ndarray, seed: int, list_size: int = IVF_LIST_SIZE) -> Ivf
     order = torch.argsort(assign, stable=True)
     offsets = torch.zeros(nlist + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.bincount(assign, minlength=nlist), 0)
-    centroids, centroid_scale = int8_rows(cent)
-    codes, code_scale = int8_rows(xt[order])
-    return IvfCells(centroids, centroid_scale, offsets, order.to(torch.int32).contiguous(), codes, code_scale,
+    centroids, centroid_step = sq4_rows(cent)
+    cent16 = cent.half().contiguous()  # (C, D): q . c of a probed cell is taken against these
+    codes, code_step = sq4_rows(xt[order] - cent16[assign[order]].float(), SQ4_RESIDUAL_CLIP)
+    return IvfCells(centroids, centroid_step, cent16, offsets, order.to(torch.int32).contiguous(), codes, code_step,
                     *(group or (None, None, None)))
 
 
@@ -314,6 +345,51 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float32 with x ~ codes * scale (scale = max |x| / 127 per row; a zero row has codes 0)."""
     scale = (x.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).float()
     return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def sq4_rows(x: torch.Tensor, clip: float = SQ4_CLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit codes of the rows of ``x`` (n, D) float with one range per dimension (scalar
+    quantisation as faiss's ``QT_4bit``, the range clipped to the ``clip`` and ``1 - clip`` quantiles
+    of the dimension over at most ``SQ4_QUANTILE_ROWS`` rows: a few outlying values would otherwise
+    widen every step). Returns packed codes
+    (n, Dp / 2) uint8 and step (Dp,) float32, Dp = D rounded up to a multiple of 64, with
+    x[:, d] ~ lo[d] + code[:, d] * step[d] (code in 0..15, ``lo`` not kept: a query's q . lo is the
+    same for every row, see the module docstring); the padded dimensions have step 0 and code 0.
+    Packing: the 64 dimensions of block w take bytes 32 w to 32 w + 31 of a row, byte j holding
+    dimension 64 w + j in its low nibble and 64 w + 32 + j in its high nibble (``sq4_unpack``)."""
+    n, d = x.shape
+    dp = -(-d // SQ4_BLOCK) * SQ4_BLOCK
+    xf = x.detach().float()
+    # the ranges from at most SQ4_QUANTILE_ROWS rows (every k-th), in one numpy call over a transposed
+    # copy (0.4 s for the 32,731 anchors of the 61 NDAs; two calls over the rows 0.9 s; torch.quantile
+    # stops at 2**24 values); the codes in torch (numpy took 0.9 s more for them)
+    sample = xf[:: max(1, -(-n // SQ4_QUANTILE_ROWS))].T.contiguous().numpy() if n else np.zeros((d, 1), np.float32)
+    lo, hi = (torch.from_numpy(v).float() for v in np.quantile(sample, [clip, 1 - clip], axis=1))  # (D,) each
+    step = torch.zeros(dp)
+    step[:d] = (hi - lo) / 15
+    inv = torch.where(step[:d] > 0, 1 / step[:d].clamp_min(torch.finfo(torch.float32).tiny), 0)
+    codes = torch.zeros(n, dp, dtype=torch.uint8)
+    codes[:, :d] = torch.round((xf - lo) * inv).clamp_(0, 15).to(torch.uint8)
+    blocks = codes.view(n, dp // SQ4_BLOCK, 2, SQ4_BLOCK // 2)  # (n, W, low / high half, 32)
+    packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # (n, W, 32)
+    return packed.reshape(n, dp // 2).contiguous(), step
+
+
+def sq4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The codes (n, Dp) uint8 (0..15) of ``sq4_rows``'s packed rows (n, Dp / 2) uint8."""
+    n, half = packed.shape
+    p = packed.view(n, half * 2 // SQ4_BLOCK, SQ4_BLOCK // 2)  # (n, W, 32)
+    return torch.cat([p & 15, p >> 4], dim=2).reshape(n, half * 2)
+
+
+def sq4_query(qn: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes (B, Dp) and scale (B,) float32 of unit queries ``qn`` (B, D) float32 times the
+    4-bit codes' per-dimension ``step`` (Dp,) (zero-padded to Dp), as ``int8_rows`` quantises them:
+    scale times the integer dot product of these codes with a row's 4-bit codes is q . x up to
+    q . lo, the same for every row (module docstring)."""
+    q = torch.zeros(qn.shape[0], step.shape[0])
+    q[:, : qn.shape[1]] = qn
+    return int8_rows(q * step)
 
 
 def ivf_search_torch(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, nprobe: int, k: int,
@@ -337,16 +413,19 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     B = q.shape[0]
     if B == 0:
         return torch.full((0, k), float("-inf")), torch.full((0, k), -1, dtype=torch.int64)
-    q8, qs = int8_rows(torch.nan_to_num(qn))  # (B, D) int8 codes of the query, (B,) scale
-    q8 = q8.float()  # integer products and sums below 2**24 for D <= 1,040: exact in float32, as the native int32 sums
-    cs = (q8 @ cells.centroids.float().T) * (cells.centroid_scale[None, :] * qs[:, None])  # (B, C)
+    qf = torch.nan_to_num(qn)
+    # integer products and sums below 2**24 (D <= 1,040 for int8 x int8, Dp <= 8,808 for int8 x 4-bit):
+    # exact in float32, as the native int32 sums
+    qc = sq4_query(qf, cells.centroid_step)[0].float()  # (B, Dp) against the centroids' 4-bit codes
+    cs = qc @ sq4_unpack(cells.centroids).float().T  # (B, C)
     if group_probe and cells.group_centroids is not None:  # rank only the cells of the best groups
-        gs = (q8 @ cells.group_centroids.float().T) * (cells.group_scale[None, :] * qs[:, None])  # (B, G)
+        q8, qs = int8_rows(qf)  # (B, D) int8 codes of the query, (B,) scale
+        gs = (q8.float() @ cells.group_centroids.float().T) * (cells.group_scale[None, :] * qs[:, None])  # (B, G)
         best = torch.topk(gs, min(group_probe, cells.ngroups), dim=1).indices  # (B, gp)
         keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, best, True)  # (B, G)
         group_of = torch.repeat_interleave(torch.arange(cells.ngroups), cells.group_offsets.diff())  # (C,)
         cs = cs.masked_fill(~keep[:, group_of], float("-inf"))
-    probe_s, probe = torch.topk(cs, min(nprobe, cells.nlist), dim=1)  # (B, P)
+    probe_s, probe = _top(cs, min(nprobe, cells.nlist))  # (B, P)
     start = cells.offsets[probe].reshape(-1)  # (B * P,) each probed cell's first row of codes
     # a cell outside the row's groups (when they hold fewer than nprobe cells) is not scanned
     size = (cells.offsets[probe + 1].reshape(-1) - start) * (probe_s.reshape(-1) > float("-inf"))
@@ -358,13 +437,16 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     first = torch.cumsum(size, 0) - size  # (B * P,) where each cell's run starts in the flat scan
     rows = torch.repeat_interleave(start - first, size) + torch.arange(total)  # (total,) rows of codes
     row_of = torch.repeat_interleave(torch.arange(B), per_row)  # (total,) query of each scanned anchor
-    approx = (cells.codes[rows].float() * q8[row_of]).sum(1) * (cells.code_scale[rows] * qs[row_of])  # (total,)
+    qa, sa = sq4_query(qf, cells.code_step)  # (B, Dp) against the residuals' 4-bit codes, (B,) scale
+    cell_s = torch.gather(qf @ cells.centroid_vectors.float().T, 1, probe).reshape(-1)  # (B * P,) q . c
+    resid = (sq4_unpack(cells.codes[rows]).float() * qa.float()[row_of]).sum(1)  # (total,) integer sums
+    approx = torch.repeat_interleave(cell_s, size) + sa[row_of] * resid  # (total,)
     col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_row, 0) - per_row, per_row)
     grid = torch.full((B, width), float("-inf"))  # (B, W) each query's scanned anchors, -inf padded
     grid[row_of, col] = approx
     where = torch.zeros(B, width, dtype=torch.int64)
     where[row_of, col] = rows
-    top_s, top = torch.topk(grid, min(n_candidates, width), dim=1)
+    top_s, top = _top(grid, min(n_candidates, width))
     cand = cells.members[torch.gather(where, 1, top)].long()  # (B, c) anchor ids
     exact = torch.bmm(stored[cand].float(), qn[:, :, None])[..., 0].masked_fill(top_s == float("-inf"), float("-inf"))
     scores, pos = torch.topk(exact, k, dim=1)
@@ -372,6 +454,13 @@ def _ivf_torch_rows(cells: IvfCells, stored: torch.Tensor, q: torch.Tensor, npro
     short = (per_row < k) | ~torch.isfinite(qn).all(1)
     scores[short], ids[short] = float("-inf"), -1
     return scores, ids
+
+
+def _top(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest of each row of ``x`` (B, W) and their columns, ties to the lower column (the
+    native pass's rule: integer scores tie, and ``torch.topk`` does not say which tie it keeps)."""
+    s, i = torch.sort(x, dim=1, descending=True, stable=True)
+    return s[:, :n], i[:, :n]
 
 
 def unit_rows(queries: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:

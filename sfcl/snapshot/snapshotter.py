@@ -15,9 +15,10 @@ also search their own prompt (``sfcl.snapshot.context``), and keyword-boost rule
 (``sfcl.snapshot.boost``) scale the confidence of matching anchor kinds.
 
 The anchor library is CPU-resident and memory-mapped (``sfcl.library.store``) and searched by
-``sfcl.library.index.AnchorIndex``: for large libraries an inverted file over int8 codes in one
-native call that also returns the confidences as Python lists (~0.1 ms per row right after a
-decode step, 32,768 x 576, Intel Xeon; docs/benchmarks.md). On a GPU the runner's fused lookup
+``sfcl.library.index.AnchorIndex``: for large libraries an inverted file over 4-bit codes (of the
+cell centroids and of each anchor's residual from its centroid) in one native call that also
+returns the confidences as Python lists (~0.1 ms for one row right after a decode step and ~0.03
+ms for each more, 17,069 x 576, Intel Xeon; docs/benchmarks.md). On a GPU the runner's fused lookup
 searches a device copy instead (``device_index``, ``sfcl.snapshot.device_search``) and hands
 ``lookup`` the results (``found``).
 """

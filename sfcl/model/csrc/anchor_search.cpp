@@ -2,21 +2,28 @@
 // the Python function anchor_search of SFCL's kernel module (bindings.cpp; sfcl/library/index.py
 // builds its inputs and holds the torch version of the same steps).
 //
-// Per query row: normalise in float64 (as sfcl.library.index.unit_rows), quantise the unit query to
-// int8 codes with one scale (max |q| / 127, as the anchors' codes), score the cell centroids (int8
-// codes times a per-centroid scale) by integer dot products, keep the nprobe best cells, score their
-// members' int8 codes (times a per-anchor scale) the same way and keep the R best as candidates,
-// re-score the candidates in float32 against the library's stored float16 vectors and return the k
-// best: the returned scores are the stored vectors' scores (up to float32 summation order), and with
-// per-anchor weights and decays the snapshot confidence of each (sfcl.snapshot.triggers.
-// anchor_confidence_each). The integer dot products are exact in int32 (|sum| <= D * 127^2 < 2^31
-// for D <= 131,072), and for D <= 1,040 (sums below 2^24) sfcl.library.index.ivf_search_torch, which
-// takes the same steps in float32, picks the same cells and candidates. They run 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2
-// vpmaddubsw on |q| and the codes with q's sign, as llama.cpp's q8 dot products), and the next
-// cell's and the candidates' rows are prefetched: after a decode step the index is out of the
-// caches, and the pass is memory-bound. The inverted file is Jégou et
-// al., "Product quantization for nearest neighbor search", TPAMI 2011 (section on the inverted
-// file), with scalar-quantised codes and an exact re-rank. One thread, no allocation per scanned
+// Per query row: normalise in float64 (as sfcl.library.index.unit_rows); with groups, quantise the
+// unit query to int8 codes with one scale (max |q| / 127) and score the groups' int8 centroids
+// (times a per-group scale) by integer dot products; score the cell centroids' 4-bit codes
+// (sfcl.library.index.sq4_rows: per-dimension steps, two codes per byte) against the int8 codes of
+// the query times the centroids' steps (sq4_query), keep the nprobe best cells, score their
+// members as q . c (the cell centroid's float16 vector) plus the query's scale times the integer
+// sum of its codes (times the residuals' steps) with the 4-bit codes of the member's residual
+// from c (as faiss's IndexIVFScalarQuantizer by_residual), keep the R best as candidates, re-score the candidates in float32 against the library's stored float16
+// vectors and return the k best: the returned scores are the stored vectors' scores (up to float32
+// summation order), and with per-anchor weights and decays the snapshot confidence of each
+// (sfcl.snapshot.triggers.anchor_confidence_each). A centroid's 4-bit score is the integer sum
+// itself: q . x = q . lo + sum_d (q_d step_d) code_d and q . lo is the same for every row. The
+// integer dot products are exact in int32, and below 2^24 (D <= 1,040 for the int8 groups, Dp <=
+// 8,808 for the 4-bit codes) sfcl.library.index.ivf_search_torch, which takes the same steps in
+// float32, picks the same cells and candidates (ties to the earlier cell or row, as here). They run
+// 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2 vpmaddubsw, as llama.cpp's q4 and q8 dot
+// products), and the next cell's and the candidates' rows are prefetched: after a decode step the
+// index is out of the caches, and the pass is memory-bound (which is why the codes are 4-bit: a
+// lookup of several rows cost ~0.045 ms per row with int8 codes, docs/performance-journal.md,
+// twentieth session). The inverted file is Jégou et al., "Product quantization for nearest neighbor
+// search", TPAMI 2011 (section on the inverted file), with scalar-quantised codes (as faiss's
+// IndexIVFScalarQuantizer, QT_4bit) and an exact re-rank. One thread, no allocation per scanned
 // anchor; why one call instead of faiss plus numpy: right after a decode step's forward has
 // evicted the caches, each Python-level operation of a lookup costs tens of microseconds
 // (docs/performance-journal.md, twelfth session). Why a pybind11 function and not a torch operator:
@@ -60,22 +67,45 @@ struct QueryCodes {
   float scale = 0.f;
 };
 
-// The codes of unit row qn (D,) float32 (scale = max |q| / 127, at least FLT_MIN; round half to even,
-// as torch.round in sfcl.library.index.query_codes).
-void quantise(const float* qn, int64_t D, QueryCodes& out) {
+// Int8 codes out (n,) of x (n,) float32 with one scale, returned: max |x| / 127 (at least FLT_MIN),
+// codes round(x / scale) half to even, as sfcl.library.index.int8_rows (torch.round of the same
+// quotient). A lookup quantises each query row three times (the groups', centroids' and anchors'
+// codes): in scalar code with a division per element that was a third of the pass (perf, twentieth
+// session), hence the AVX-512 form.
+float quantise_into(const float* x, int64_t n, int8_t* out) {
+  int64_t i = 0;
   float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qn[d]));
-  out.scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
-  out.mag.assign(D, 0);
-  out.sign.assign(D, 1);
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), sc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, lo), hi))));
+  }
+#endif
+  for (; i < n; ++i) out[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / scale))));
+  return scale;
+}
+
+// The codes of unit row qn (D,) float32 (quantise_into), split as dot_codes takes them.
+void quantise(const float* qn, int64_t D, QueryCodes& out) {
+  std::vector<int8_t> c(D);
+  out.scale = quantise_into(qn, D, c.data());
+  out.mag.resize(D);
+  out.sign.resize(D);
   out.neg.assign(D / 64, 0);
   for (int64_t d = 0; d < D; ++d) {
-    const float c = std::nearbyint(qn[d] / out.scale);
-    out.mag[d] = uint8_t(std::fabs(c));
-    if (c < 0) {
-      out.sign[d] = -1;
-      if (d < int64_t(out.neg.size()) * 64) out.neg[d / 64] |= uint64_t{1} << (d % 64);
-    }
+    out.mag[d] = uint8_t(c[d] < 0 ? -c[d] : c[d]);
+    out.sign[d] = c[d] < 0 ? -1 : 1;
+    if (c[d] < 0 && d < int64_t(out.neg.size()) * 64) out.neg[d / 64] |= uint64_t{1} << (d % 64);
   }
 }
 
@@ -116,30 +146,83 @@ inline int32_t dot_codes(const int8_t* v, const QueryCodes& q, int64_t D) {
   return s;
 }
 
-// dot_codes of rows v, v + D, v + 2D, v + 3D at once (four independent accumulations, one pass over q).
-inline void dot_codes4(const int8_t* v, const QueryCodes& q, int64_t D, int32_t* out) {
+constexpr int64_t kSq4Block = 64;  // dimensions per block of packed 4-bit codes (sfcl.library.index.SQ4_BLOCK)
+
+// Int8 codes q8 (Dp,) of the unit query qn (D,) times step (Dp,) (zero past D), as
+// sfcl.library.index.sq4_query; t (Dp,) is scratch. Returns the codes' scale.
+float sq4_query(const float* qn, int64_t D, const float* step, int64_t Dp, float* t, int8_t* q8) {
+  for (int64_t d = 0; d < D; ++d) t[d] = qn[d] * step[d];
+  std::fill(t + D, t + Dp, 0.f);
+  return quantise_into(t, Dp, q8);
+}
+
+// sum_d q8[d] * code[d] over the packed 4-bit codes p (Dp / 2,) of one row (sq4_rows' layout: block
+// w's byte j holds dimension 64 w + j low and 64 w + 32 + j high); exact in int32.
+inline int32_t dot_sq4(const uint8_t* p, const int8_t* q8, int64_t Dp) {
 #if defined(__AVX512BW__)
-  if (D % 64 == 0) {
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t d = 0, w = 0; d < D; d += 64, ++w) {
-      const __m512i m = _mm512_loadu_si512(q.mag.data() + d);
-      const __mmask64 neg = __mmask64(q.neg[w]);
-      for (int r = 0; r < 4; ++r) {
-        const __m512i c = _mm512_loadu_si512(v + r * D + d);
-        const __m512i cs = _mm512_mask_sub_epi8(c, neg, zero, c);
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
+    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);  // dims 64w .. 64w + 63
 #if defined(__AVX512VNNI__)
-        acc[r] = _mm512_dpbusd_epi32(acc[r], m, cs);
-#else
-        acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(m, cs), _mm512_set1_epi16(1)));
+    acc = _mm512_dpbusd_epi32(acc, c, _mm512_loadu_si512(q8 + w * kSq4Block));
+#else  // codes <= 15, |q| <= 127: a pair sums to at most 3,810, no int16 saturation
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(c, _mm512_loadu_si512(q8 + w * kSq4Block)),
+                                                  _mm512_set1_epi16(1)));
 #endif
-      }
-    }
-    for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
-    return;
   }
+  return _mm512_reduce_add_epi32(acc);
+#elif defined(__AVX2__)
+  const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
+    const __m256i* q = reinterpret_cast<const __m256i*>(q8 + w * kSq4Block);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256(q)), one));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_loadu_si256(q + 1)), one));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
+#else
+  int32_t s = 0;
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w)
+    for (int64_t j = 0; j < 32; ++j) {
+      const uint8_t b = p[w * 32 + j];
+      s += int32_t(b & 15) * q8[w * kSq4Block + j] + int32_t(b >> 4) * q8[w * kSq4Block + 32 + j];
+    }
+  return s;
 #endif
-  for (int r = 0; r < 4; ++r) out[r] = dot_codes(v + r * D, q, D);
+}
+
+// dot_sq4 of rows p, p + Dp / 2, p + Dp, p + 3 Dp / 2 at once: four independent accumulations (one
+// row's sum is a chain of dependent multiply-adds, so a row at a time waits on their latency).
+inline void dot_sq4_4(const uint8_t* p, const int8_t* q8, int64_t Dp, int32_t* out) {
+#if defined(__AVX512BW__)
+  const int64_t R = Dp / 2;
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    const __m512i q = _mm512_loadu_si512(q8 + w * kSq4Block);
+    for (int r = 0; r < 4; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * R + w * 32));
+      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+#if defined(__AVX512VNNI__)
+      acc[r] = _mm512_dpbusd_epi32(acc[r], c, q);
+#else
+      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(c, q), _mm512_set1_epi16(1)));
+#endif
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
+#else
+  for (int r = 0; r < 4; ++r) out[r] = dot_sq4(p + r * (Dp / 2), q8, Dp);
+#endif
 }
 
 // Prefetch the bytes [p, p + n) into the caches, a line at a time.
@@ -150,10 +233,11 @@ inline void prefetch(const void* p, int64_t n) {
 
 }  // namespace
 
-// queries (B, D) float32; stored (N, D) float16 (the library's vectors); centroids (C, D) int8
-// with centroid_scale (C,) float32; offsets (C + 1,) int64: cell c's members are
-// members[offsets[c] : offsets[c + 1]] (anchor ids, int32), their codes the same rows of codes
-// (N, D) int8 with code_scale (N,) float32; weights, decay: (N,) float32 per anchor, or undefined
+// queries (B, D) float32; stored (N, D) float16 (the library's vectors); centroids (C, Dp / 2)
+// uint8, packed 4-bit codes (Dp = D rounded up to a multiple of 64) with centroid_step (Dp,)
+// float32 and centroid_vectors (C, D) float16 (the same centroids); offsets (C + 1,) int64: cell c's members are members[offsets[c] : offsets[c + 1]]
+// (anchor ids, int32), their residuals' codes the same rows of codes (M, Dp / 2) uint8 with code_step (Dp,)
+// float32; weights, decay: (N,) float32 per anchor, or undefined
 // (None). Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32), best
 // first; -inf / -1 / NaN where a row has no anchor (see the header); confidences NaN throughout
 // without weights and decay. group_centroids (G, D) int8, group_scale (G,) float32, group_offsets
@@ -165,8 +249,8 @@ inline void prefetch(const void* p, int64_t n) {
 // lists (no torch operator: right after a decode step, creating three small tensors and reading
 // them back cost a lookup ~0.05 ms, scripts/lookup_parts.py).
 void anchor_search_into(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
@@ -178,24 +262,25 @@ void anchor_search_into(
   TORCH_CHECK(stored.dim() == 2 && stored.size(1) == D && stored.scalar_type() == at::kHalf && stored.is_contiguous(),
               "anchor_search: stored must be a contiguous (N, D) float16 tensor with the queries' D");
   const int64_t N = stored.size(0);
-  TORCH_CHECK(centroids.dim() == 2 && centroids.size(1) == D && centroids.scalar_type() == at::kChar &&
+  const int64_t Dp = (D + kSq4Block - 1) / kSq4Block * kSq4Block;  // the 4-bit codes' padded width
+  TORCH_CHECK(centroids.dim() == 2 && centroids.size(1) == Dp / 2 && centroids.scalar_type() == at::kByte &&
                   centroids.is_contiguous() && centroids.size(0) >= 1,
-              "anchor_search: centroids must be a contiguous (C >= 1, D) int8 tensor");
+              "anchor_search: centroids must be a contiguous (C >= 1, ", Dp / 2, ") uint8 tensor of packed 4-bit codes");
   const int64_t C = centroids.size(0);
-  TORCH_CHECK(centroid_scale.dim() == 1 && centroid_scale.size(0) == C && centroid_scale.scalar_type() == at::kFloat &&
-                  centroid_scale.is_contiguous(),
-              "anchor_search: centroid_scale must be a contiguous (C,) float32 tensor");
+  TORCH_CHECK(centroid_vectors.dim() == 2 && centroid_vectors.size(0) == C && centroid_vectors.size(1) == D &&
+                  centroid_vectors.scalar_type() == at::kHalf && centroid_vectors.is_contiguous(),
+              "anchor_search: centroid_vectors must be a contiguous (C, D) float16 tensor");
+  for (const at::Tensor* t : {&centroid_step, &code_step})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == Dp && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "anchor_search: centroid_step and code_step must be contiguous (", Dp, ",) float32 tensors");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == C + 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
               "anchor_search: offsets must be a contiguous (C + 1,) int64 tensor");
   const int64_t M = members.numel();
   TORCH_CHECK(members.dim() == 1 && members.scalar_type() == at::kInt && members.is_contiguous(),
               "anchor_search: members must be a contiguous 1-D int32 tensor");
-  TORCH_CHECK(codes.dim() == 2 && codes.size(0) == M && codes.size(1) == D && codes.scalar_type() == at::kChar &&
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) == M && codes.size(1) == Dp / 2 && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous(),
-              "anchor_search: codes must be a contiguous (members, D) int8 tensor");
-  TORCH_CHECK(code_scale.dim() == 1 && code_scale.size(0) == M && code_scale.scalar_type() == at::kFloat &&
-                  code_scale.is_contiguous(),
-              "anchor_search: code_scale must be a contiguous (members,) float32 tensor");
+              "anchor_search: codes must be a contiguous (members, ", Dp / 2, ") uint8 tensor of packed 4-bit codes");
   TORCH_CHECK(nprobe >= 1 && k >= 1 && n_candidates >= k, "anchor_search: need nprobe >= 1 and n_candidates >= k >= 1");
   TORCH_CHECK(weights.has_value() == decay.has_value(), "anchor_search: give both weights and decay, or neither");
   const float* W = nullptr;
@@ -247,17 +332,20 @@ void anchor_search_into(
   if (B == 0) return;
   const float* Q = queries.data_ptr<float>();
   const uint16_t* V = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
-  const int8_t* C8 = centroids.data_ptr<int8_t>();
-  const float* c_scale = centroid_scale.data_ptr<float>();
+  const uint8_t* C4 = centroids.data_ptr<uint8_t>();
+  const uint8_t* L4 = codes.data_ptr<uint8_t>();
+  const uint16_t* CV = reinterpret_cast<const uint16_t*>(centroid_vectors.data_ptr<at::Half>());
+  const int64_t R4 = Dp / 2;  // bytes per row of 4-bit codes
   const int32_t* mem = members.data_ptr<int32_t>();
-  const int8_t* L8 = codes.data_ptr<int8_t>();
-  const float* l_scale = code_scale.data_ptr<float>();
   const int64_t np = std::min(nprobe, C);
   const int64_t ahead = 8;  // centroid rows prefetched ahead of the scan
 
   std::vector<float> qn(B * D), cs(grouped ? 0 : B * C);
   std::vector<char> finite(B);
-  std::vector<QueryCodes> qc(B);
+  std::vector<QueryCodes> qc(B);  // int8 codes of the unit query (the groups' centroids)
+  std::vector<int8_t> qcent(B * Dp), qcode(B * Dp);  // (B, Dp) against the centroids' / residuals' 4-bit codes
+  std::vector<float> qcode_scale(B);
+  std::vector<float> scratch(Dp);
   for (int64_t b = 0; b < B; ++b) {  // unit rows, the norm in float64 (sfcl.library.index.unit_rows)
     const float* q = Q + b * D;
     double ss = 0.0;
@@ -266,26 +354,22 @@ void anchor_search_into(
     finite[b] = std::isfinite(norm);
     const double den = std::max(norm, double(std::numeric_limits<double>::min()));
     for (int64_t d = 0; d < D; ++d) qn[b * D + d] = float(double(q[d]) / den);
-    if (finite[b]) quantise(&qn[b * D], D, qc[b]);
+    if (!finite[b]) continue;
+    if (grouped) quantise(&qn[b * D], D, qc[b]);
+    sq4_query(&qn[b * D], D, centroid_step.data_ptr<float>(), Dp, scratch.data(), &qcent[b * Dp]);
+    qcode_scale[b] = sq4_query(&qn[b * D], D, code_step.data_ptr<float>(), Dp, scratch.data(), &qcode[b * Dp]);
   }
-  int64_t c0 = grouped ? C : 0;  // grouped: each row scores the centroids of its groups below
-  for (; c0 + 4 <= C; c0 += 4) {  // each centroid read once for all rows, four at a time
-    if (c0 + ahead + 4 <= C) prefetch(C8 + (c0 + ahead) * D, 4 * D);
-    for (int64_t b = 0; b < B; ++b) {
-      if (!finite[b]) continue;
-      int32_t dots[4];
-      dot_codes4(C8 + c0 * D, qc[b], D, dots);
-      for (int r = 0; r < 4; ++r) cs[b * C + c0 + r] = float(dots[r]) * (c_scale[c0 + r] * qc[b].scale);
+  if (!grouped)  // each centroid read once for all rows (grouped: each row scores its groups' centroids below)
+    for (int64_t c = 0; c < C; ++c) {
+      if (c + ahead < C) prefetch(C4 + (c + ahead) * R4, R4);
+      for (int64_t b = 0; b < B; ++b)
+        if (finite[b]) cs[b * C + c] = float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp));
     }
-  }
-  for (int64_t c = grouped ? C : c0; c < C; ++c)
-    for (int64_t b = 0; b < B; ++b)
-      if (finite[b]) cs[b * C + c] = float(dot_codes(C8 + c * D, qc[b], D)) * (c_scale[c] * qc[b].scale);
   // rows [b0, b1): cells, candidates and re-score, each row on its own. One thread: rows split over
   // torch's threads (a parallel_for, the engine's OpenMP workers still spinning after the step) did
   // not lower the served lookup's p99 and once waited 1.5 ms for a worker (fifteenth session).
   auto rows = [&](int64_t b0, int64_t b1) {
-    std::vector<float> cand_s(n_candidates), probe_s(np), group_s(gp);
+    std::vector<float> cand_s(n_candidates), probe_s(np), group_s(gp), cell_q(np);
     std::vector<int64_t> cand(n_candidates), probe(np), group(gp);
     for (int64_t b = b0; b < b1; ++b) {
       if (!finite[b]) continue;
@@ -302,32 +386,46 @@ void anchor_search_into(
           keep_best(group_s.data(), group.data(), gp, float(dot_codes(G8 + g * D, qc[b], D)) * (g_scale[g] * qc[b].scale), g);
         std::sort(group.begin(), group.end());  // ascending cells: ties between cells go to the lower one
         for (int64_t i = 0; i < gp && group[i] >= 0; ++i) {
-          int64_t c = goff[group[i]];
           const int64_t end = goff[group[i] + 1];
+          prefetch(C4 + goff[group[i]] * R4, std::min<int64_t>(end - goff[group[i]], ahead) * R4);
+          int64_t c = goff[group[i]];
           for (; c + 4 <= end; c += 4) {
+            if (c + ahead + 4 <= end) prefetch(C4 + (c + ahead) * R4, 4 * R4);
             int32_t dots[4];
-            dot_codes4(C8 + c * D, qc[b], D, dots);
-            for (int r = 0; r < 4; ++r)
-              keep_best(probe_s.data(), probe.data(), np, float(dots[r]) * (c_scale[c + r] * qc[b].scale), c + r);
+            dot_sq4_4(C4 + c * R4, &qcent[b * Dp], Dp, dots);
+            for (int r = 0; r < 4; ++r) keep_best(probe_s.data(), probe.data(), np, float(dots[r]), c + r);
           }
           for (; c < end; ++c)
-            keep_best(probe_s.data(), probe.data(), np, float(dot_codes(C8 + c * D, qc[b], D)) * (c_scale[c] * qc[b].scale), c);
+            keep_best(probe_s.data(), probe.data(), np, float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp)), c);
         }
       }
       std::fill(cand_s.begin(), cand_s.end(), kNegInf);
       std::fill(cand.begin(), cand.end(), -1);
       int64_t scanned = 0;
+      if (probe[0] >= 0) prefetch(L4 + off[probe[0]] * R4, (off[probe[0] + 1] - off[probe[0]]) * R4);  // the first cell
+      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) prefetch(CV + probe[p] * D, D * 2);
+      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) cell_q[p] = dot_f16(CV + probe[p] * D, q, D);  // q . c
+      const float sq = qcode_scale[b];
       for (int64_t p = 0; p < np && probe[p] >= 0; ++p) {
         const int64_t c = probe[p];
         const int64_t nxt = p + 1 < np && probe[p + 1] >= 0 ? probe[p + 1] : -1;
         const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
-        for (int64_t j = off[c]; j < off[c + 1]; ++j) {
+        int64_t j = off[c];
+        for (; j + 4 <= off[c + 1]; j += 4) {  // four rows at a time, the next cell's same rows prefetched
           const int64_t r = j - off[c];
-          if (r < n_next) prefetch(L8 + (off[nxt] + r) * D, D);  // the next cell's row r
-          keep_best(cand_s.data(), cand.data(), n_candidates,
-                    float(dot_codes(L8 + j * D, qc[b], D)) * (l_scale[j] * qc[b].scale), mem[j]);
+          if (r < n_next) prefetch(L4 + (off[nxt] + r) * R4, std::min<int64_t>(4, n_next - r) * R4);
+          int32_t dots[4];
+          dot_sq4_4(L4 + j * R4, &qcode[b * Dp], Dp, dots);
+          for (int t = 0; t < 4; ++t)
+            keep_best(cand_s.data(), cand.data(), n_candidates, cell_q[p] + sq * float(dots[t]), mem[j + t]);
         }
-        for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L8 + (off[nxt] + r) * D, D);
+        for (; j < off[c + 1]; ++j) {
+          const int64_t r = j - off[c];
+          if (r < n_next) prefetch(L4 + (off[nxt] + r) * R4, R4);
+          keep_best(cand_s.data(), cand.data(), n_candidates, cell_q[p] + sq * float(dot_sq4(L4 + j * R4, &qcode[b * Dp], Dp)),
+                    mem[j]);
+        }
+        for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L4 + (off[nxt] + r) * R4, R4);
         scanned += off[c + 1] - off[c];
       }
       if (scanned < k) continue;  // short: the caller searches this row exactly
@@ -350,8 +448,8 @@ void anchor_search_into(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
@@ -361,7 +459,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
   auto scores = at::empty({B, k}, at::kFloat);
   auto ids = at::empty({B, k}, at::kLong);
   auto conf = at::empty({B, k}, at::kFloat);
-  anchor_search_into(queries, stored, centroids, centroid_scale, offsets, members, codes, code_scale, nprobe, k,
+  anchor_search_into(queries, stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step, nprobe, k,
                      n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe,
                      scores.data_ptr<float>(), ids.data_ptr<int64_t>(), conf.data_ptr<float>());
   return {scores, ids, conf};

@@ -21,8 +21,8 @@ namespace sfcl {
 // anchor_search with the results as Python lists (scores, ids, confidences: B lists of k) and
 // whether some row came back short (an id -1): no tensor is created (anchor_search.cpp's header).
 inline pybind11::tuple anchor_lookup(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
@@ -32,7 +32,7 @@ inline pybind11::tuple anchor_lookup(
   const int64_t B = queries.size(0);
   std::vector<float> S(B * k), F(B * k);
   std::vector<int64_t> I(B * k);
-  anchor_search_into(queries, stored, centroids, centroid_scale, offsets, members, codes, code_scale, nprobe, k,
+  anchor_search_into(queries, stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step, nprobe, k,
                      n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe, S.data(),
                      I.data(), F.data());
   py::list scores(B), ids(B), conf(B);
@@ -67,8 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "SFCL's native CPU kernels (sfcl.model.decode_kernel)";
   const char* pass_doc =
       "The snapshot lookup's IVF pass (anchor_search.cpp), GIL held: queries (B, D) float32 "
-      "contiguous, stored (N, D) float16, centroids (C, D) int8, centroid_scale (C,) float32, "
-      "offsets (C + 1,) int64, members (M,) int32, codes (M, D) int8, code_scale (M,) float32, "
+      "contiguous, stored (N, D) float16, centroids (C, Dp / 2) uint8 (packed 4-bit codes, Dp = D rounded "
+      "up to a multiple of 64), centroid_step (Dp,) float32, centroid_vectors (C, D) float16, offsets (C + 1,) int64, members (M,) int32, "
+      "codes (M, Dp / 2) uint8 (the members' residuals from their centroid), code_step (Dp,) float32, "
       "weights and decay (N,) float32 or None; group_centroids (G, D) int8, group_scale (G,) float32, "
       "group_offsets (G + 1,) int64 (cells grouped: only the group_probe best groups' cells are "
       "ranked) or None. Scores, ids and confidences per row, best first, -inf / -1 / NaN where a row "
@@ -76,8 +77,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "fit together.";
   auto def_pass = [&](const char* name, auto fn, const std::string& returns) {
     m.def(name, fn, (std::string(pass_doc) + " " + returns).c_str(), py::arg("queries"), py::arg("stored"),
-          py::arg("centroids"), py::arg("centroid_scale"), py::arg("offsets"), py::arg("members"), py::arg("codes"),
-          py::arg("code_scale"), py::arg("nprobe"), py::arg("k"), py::arg("n_candidates"),
+          py::arg("centroids"), py::arg("centroid_step"), py::arg("centroid_vectors"), py::arg("offsets"), py::arg("members"), py::arg("codes"),
+          py::arg("code_step"), py::arg("nprobe"), py::arg("k"), py::arg("n_candidates"),
           py::arg("weights") = py::none(), py::arg("decay") = py::none(), py::arg("group_centroids") = py::none(),
           py::arg("group_scale") = py::none(), py::arg("group_offsets") = py::none(), py::arg("group_probe") = 0);
   };

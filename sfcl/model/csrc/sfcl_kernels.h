@@ -219,15 +219,15 @@ at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
 // The snapshot lookup's IVF pass (anchor_search.cpp): results written to S, I, F (B * k each), or
 // returned as tensors; bindings.cpp binds it (and its list-returning form, anchor_lookup).
 void anchor_search_into(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
     int64_t group_probe, float* S, int64_t* I, float* F);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_scale,
-    const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_scale,
+    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
     int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
