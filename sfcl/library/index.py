@@ -40,8 +40,8 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   groups and one call: a served lookup follows a decode step's forward, which has evicted the
   caches, and the search's time was memory traffic (float32 centroids and float16 lists, ~1 MB
   per query; int8 codes of every centroid, 0.6 MB for 32,768 anchors, before the groups; 4-bit codes
-  since the twentieth session: a lookup of several rows after a decode step is bytes, ~0.045 ms per
-  row of ~0.4 MB of int8 codes) and
+  since the twentieth session: a lookup of several rows after a decode step cost ~0.045 ms per row
+  for ~0.4 MB of int8 codes) and
   Python-level operations at tens of microseconds each (docs/performance-journal.md, twelfth and
   fifteenth sessions; creating three small tensors cost ~0.05 ms, so ``search_lists``, the served
   lookup's call, returns Python lists). Why the GIL held: a torch operator releases it, and taking
@@ -91,7 +91,7 @@ IVF_GROUP_PROBE = 8
 GROUPED_MIN_CELLS = 256
 EXACT_CHUNK = 8192  # anchors per float32 block of the exact fallback
 IVF_MAX_K = 64  # above this many anchors per query the IVF pass saves nothing: exact search
-SQ4_BLOCK = 64  # dimensions per block of packed 4-bit codes (sq4_rows); D is padded to a multiple
+SQ4_BLOCK = 64  # dimensions per block of packed 4-bit codes (sq4_rows); D is padded to a multiple of it
 # Quantiles that bound each dimension's 4-bit range (sq4_rows). recall@3 of the IVF pass against
 # exact search (1,314 NDA answer and prompt states, default library, a scratch study with float
 # queries, 2026-12-05 Intel Xeon AMX): int8 codes 0.9708; 4-bit codes of the vectors with full

@@ -16,12 +16,12 @@
 // itself: q . x = q . lo + sum_d (q_d step_d) code_d and q . lo is the same for every row. The
 // integer dot products are exact in int32, and below 2^24 (D <= 1,040 for the int8 groups, Dp <=
 // 8,808 for the 4-bit codes) sfcl.library.index.ivf_search_torch, which takes the same steps in
-// float32, picks the same cells and candidates (ties to the earlier cell or row, as here). They run
-// 64 byte pairs per instruction (AVX512-VNNI vpdpbusd; AVX2 vpmaddubsw, as llama.cpp's q4 and q8 dot
-// products), and the next cell's and the candidates' rows are prefetched: after a decode step the
-// index is out of the caches, and the pass is memory-bound (which is why the codes are 4-bit: a
-// lookup of several rows cost ~0.045 ms per row with int8 codes, docs/performance-journal.md,
-// twentieth session). The inverted file is Jégou et al., "Product quantization for nearest neighbor
+// float32, picks the same cells (ties to the lower cell, as here) and, up to the float32 rounding of
+// q . c, the same candidates (ties to the earlier row). They run 64 byte pairs per instruction
+// (AVX512-VNNI vpdpbusd; AVX2 vpmaddubsw, as llama.cpp's q4 and q8 dot products), and the next
+// cell's and the candidates' rows are prefetched: after a decode step the index is out of the
+// caches (the codes are 4-bit since a lookup of several rows cost ~0.045 ms per row with int8
+// codes; docs/performance-journal.md, twentieth session). The inverted file is Jégou et al., "Product quantization for nearest neighbor
 // search", TPAMI 2011 (section on the inverted file), with scalar-quantised codes (as faiss's
 // IndexIVFScalarQuantizer, QT_4bit) and an exact re-rank. One thread, no allocation per scanned
 // anchor; why one call instead of faiss plus numpy: right after a decode step's forward has
