@@ -51,6 +51,7 @@ def test_boosted_confidence_multiplies_matching_kinds_and_clamps():
     assert boosted_confidence([0.4, 0.5], ["domain", "general"], {"domain": 1.5}) == pytest.approx(0.6)
     assert boosted_confidence([0.8, 0.5], ["domain", "general"], {"domain": 1.5}) == 1.0
     assert boosted_confidence([0.4, 0.5], ["domain", "general"], {}) == 0.5
+    assert boosted_confidence([1.3, 0.5], ["domain", "general"], {}) == 1.0  # clamped without a boost too
 
 
 def test_a_nan_anchor_confidence_counts_as_zero_not_one():

@@ -304,8 +304,9 @@ def test_native_pass_confidences_are_the_snapshot_rule(big, kernel):
 
 @pytest.fixture(scope="module")
 def grouped(tmp_path_factory):
-    """A library with GROUPED_MIN_CELLS cells (8,192 anchors): the cells come in groups."""
-    n, d = GROUPED_MIN_CELLS * IVF_LIST_SIZE, 32
+    """A library with GROUPED_MIN_CELLS cells (8,192 anchors): the cells come in groups. D = 160:
+    several blocks of 4-bit codes (``big``, D = 32: one)."""
+    n, d = GROUPED_MIN_CELLS * IVF_LIST_SIZE, 160
     lib = _lib(tmp_path_factory.mktemp("grouped"), n, d, vectors=_clustered(n, d, n_centres=900, seed=3))
     return lib, AnchorIndex(lib)
 
@@ -331,6 +332,10 @@ def test_grouped_cells_recall_and_the_two_passes_agree(grouped, kernel):
         s_t, i_t = ivf_search_torch(c, ivf.stored, q, nprobe, 3, candidates(3, ivf.n), gp)
         assert torch.equal(i_n, i_t)
         torch.testing.assert_close(s_n, s_t, atol=2e-6, rtol=0)
+        for r in (0, 1, 77, 199):  # a row searched with 199 others (sharing their cells' reads) finds what it finds alone
+            s_1, i_1, _ = decode_kernel.module().anchor_search(q[r:r + 1], ivf.stored, *args, nprobe, 3,
+                                                               candidates(3, ivf.n), None, None, *c.groups(), gp)
+            assert torch.equal(i_1[0], i_n[r]) and torch.equal(s_1[0], s_n[r])
     ungrouped = decode_kernel.module().anchor_search(q, ivf.stored, *args, 12, 3, 19)[1]
     all_groups = decode_kernel.module().anchor_search(q, ivf.stored, *args, 12, 3, 19, None, None, *c.groups(),
                                                       c.ngroups)[1]

@@ -8,7 +8,7 @@ the step's other per-row results; the host keeps only the rows whose trigger fir
 (``sfcl.engine.fused_lookup``).
 
 The algorithm mirrors ``AnchorIndex``'s dense search exactly so both paths return the same
-anchors: with a 16-bit search copy, candidates max(4k, k + 16) by a 16-bit matmul, re-scored in
+anchors: with a 16-bit search copy, candidates (``sfcl.library.index.candidates``: 12 for k = 3) by a 16-bit matmul, re-scored in
 float32 against the stored float16 vectors; with float32, exact outright. (A CPU ``AnchorIndex``
 over a large library may use IVF candidates instead; the snapshotter builds a dense one wherever
 the fused lookup is the default, on CUDA.) Confidences are

@@ -6,7 +6,8 @@
 // unit query to int8 codes with one scale (max |q| / 127) and score the groups' int8 centroids
 // (times a per-group scale) by integer dot products; score the cell centroids' 4-bit codes
 // (sfcl.library.index.sq4_rows: per-dimension steps, two codes per byte) against the int8 codes of
-// the query times the centroids' steps (sq4_query), keep the nprobe best cells, score their
+// the query times the centroids' steps (sq4_query; the rows of one call read each chosen group's
+// cells once for all the rows that chose it), keep the nprobe best cells, score their
 // members as q . c (the cell centroid's float16 vector) plus the query's scale times the integer
 // sum of its codes (times the residuals' steps) with the 4-bit codes of the member's residual
 // from c (as faiss's IndexIVFScalarQuantizer by_residual), keep the R best as candidates, re-score the candidates in float32 against the library's stored float16
@@ -95,14 +96,26 @@ float quantise_into(const float* x, int64_t n, int8_t* out) {
   return scale;
 }
 
-// The codes of unit row qn (D,) float32 (quantise_into), split as dot_codes takes them.
+// The codes of unit row qn (D,) float32 (quantise_into), split as dot_codes takes them. The split
+// runs 64 codes per instruction on AVX-512BW: as a scalar loop it was ~14% of a warm lookup (perf,
+// twenty-first session).
 void quantise(const float* qn, int64_t D, QueryCodes& out) {
   std::vector<int8_t> c(D);
   out.scale = quantise_into(qn, D, c.data());
   out.mag.resize(D);
   out.sign.resize(D);
   out.neg.assign(D / 64, 0);
-  for (int64_t d = 0; d < D; ++d) {
+  int64_t d = 0;
+#if defined(__AVX512BW__)
+  for (int64_t w = 0; d + 64 <= D; d += 64, ++w) {
+    const __m512i v = _mm512_loadu_si512(c.data() + d);
+    const __mmask64 m = _mm512_movepi8_mask(v);  // the codes' sign bits
+    _mm512_storeu_si512(out.mag.data() + d, _mm512_abs_epi8(v));
+    _mm512_storeu_si512(out.sign.data() + d, _mm512_mask_blend_epi8(m, _mm512_set1_epi8(1), _mm512_set1_epi8(-1)));
+    out.neg[w] = uint64_t(m);
+  }
+#endif
+  for (; d < D; ++d) {
     out.mag[d] = uint8_t(c[d] < 0 ? -c[d] : c[d]);
     out.sign[d] = c[d] < 0 ? -1 : 1;
     if (c[d] < 0 && d < int64_t(out.neg.size()) * 64) out.neg[d / 64] |= uint64_t{1} << (d % 64);
@@ -225,6 +238,32 @@ inline void dot_sq4_4(const uint8_t* p, const int8_t* q8, int64_t Dp, int32_t* o
 #endif
 }
 
+// dot_sq4 of the one row p against nq <= 4 query code rows q8[0..nq) at once (out[r] for q8[r]):
+// a cell centroid that several of a step's rows rank is read and unpacked once for all of them.
+inline void dot_sq4_q(const uint8_t* p, const int8_t* const* q8, int nq, int64_t Dp, int32_t* out) {
+#if defined(__AVX512BW__)
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
+    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+    for (int r = 0; r < 4; ++r) {
+      if (r >= nq) break;
+      const __m512i q = _mm512_loadu_si512(q8[r] + w * kSq4Block);
+#if defined(__AVX512VNNI__)
+      acc[r] = _mm512_dpbusd_epi32(acc[r], c, q);
+#else
+      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(c, q), _mm512_set1_epi16(1)));
+#endif
+    }
+  }
+  for (int r = 0; r < nq; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
+#else
+  for (int r = 0; r < nq; ++r) out[r] = dot_sq4(p, q8[r], Dp);
+#endif
+}
+
 // Prefetch the bytes [p, p + n) into the caches, a line at a time.
 inline void prefetch(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
@@ -340,7 +379,7 @@ void anchor_search_into(
   const int64_t np = std::min(nprobe, C);
   const int64_t ahead = 8;  // centroid rows prefetched ahead of the scan
 
-  std::vector<float> qn(B * D), cs(grouped ? 0 : B * C);
+  std::vector<float> qn(B * D);
   std::vector<char> finite(B);
   std::vector<QueryCodes> qc(B);  // int8 codes of the unit query (the groups' centroids)
   std::vector<int8_t> qcent(B * Dp), qcode(B * Dp);  // (B, Dp) against the centroids' / residuals' 4-bit codes
@@ -349,7 +388,16 @@ void anchor_search_into(
   for (int64_t b = 0; b < B; ++b) {  // unit rows, the norm in float64 (sfcl.library.index.unit_rows)
     const float* q = Q + b * D;
     double ss = 0.0;
-    for (int64_t d = 0; d < D; ++d) ss += double(q[d]) * double(q[d]);
+    int64_t d0 = 0;
+#if defined(__AVX512F__)  // eight partial sums (one chain of dependent float64 adds was ~2,300 cycles)
+    __m512d acc = _mm512_setzero_pd();
+    for (; d0 + 8 <= D; d0 += 8) {
+      const __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(q + d0));
+      acc = _mm512_add_pd(acc, _mm512_mul_pd(x, x));
+    }
+    ss = _mm512_reduce_add_pd(acc);
+#endif
+    for (int64_t d = d0; d < D; ++d) ss += double(q[d]) * double(q[d]);
     const double norm = std::sqrt(ss);
     finite[b] = std::isfinite(norm);
     const double den = std::max(norm, double(std::numeric_limits<double>::min()));
@@ -359,56 +407,85 @@ void anchor_search_into(
     sq4_query(&qn[b * D], D, centroid_step.data_ptr<float>(), Dp, scratch.data(), &qcent[b * Dp]);
     qcode_scale[b] = sq4_query(&qn[b * D], D, code_step.data_ptr<float>(), Dp, scratch.data(), &qcode[b * Dp]);
   }
-  if (!grouped)  // each centroid read once for all rows (grouped: each row scores its groups' centroids below)
+  // The probe lists: per row, the nprobe best cells (scores in probe_s, ids in probe, best first;
+  // ties go to the lower cell: every row meets its cells in ascending order).
+  std::vector<float> probe_s(B * np, kNegInf);
+  std::vector<int64_t> probe(B * np, -1);
+  if (!grouped) {  // each centroid read once for all rows
     for (int64_t c = 0; c < C; ++c) {
       if (c + ahead < C) prefetch(C4 + (c + ahead) * R4, R4);
       for (int64_t b = 0; b < B; ++b)
-        if (finite[b]) cs[b * C + c] = float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp));
+        if (finite[b])
+          keep_best(&probe_s[b * np], &probe[b * np], np, float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp)), c);
     }
-  // rows [b0, b1): cells, candidates and re-score, each row on its own. One thread: rows split over
-  // torch's threads (a parallel_for, the engine's OpenMP workers still spinning after the step) did
-  // not lower the served lookup's p99 and once waited 1.5 ms for a worker (fifteenth session).
-  auto rows = [&](int64_t b0, int64_t b1) {
-    std::vector<float> cand_s(n_candidates), probe_s(np), group_s(gp), cell_q(np);
-    std::vector<int64_t> cand(n_candidates), probe(np), group(gp);
-    for (int64_t b = b0; b < b1; ++b) {
+  } else {
+    // Each row's group_probe best groups; then each group that some row chose, in ascending order,
+    // its cells read once for all the rows that chose it (a step's rows share most of their groups:
+    // per row, the cells' codes were ~a quarter of the bytes a lookup reads, twenty-first session).
+    std::vector<int64_t> n_rows(G, 0);
+    std::vector<int64_t> group_rows(G * B);  // group g's rows: group_rows[g * B : g * B + n_rows[g]], ascending
+    std::vector<float> group_s(gp);
+    std::vector<int64_t> group(gp);
+    for (int64_t b = 0; b < B; ++b) {
       if (!finite[b]) continue;
-      const float* q = &qn[b * D];
-      std::fill(probe_s.begin(), probe_s.end(), kNegInf);
-      std::fill(probe.begin(), probe.end(), -1);
-      if (!grouped) {
-        const float* row_cs = &cs[b * C];
-        for (int64_t c = 0; c < C; ++c) keep_best(probe_s.data(), probe.data(), np, row_cs[c], c);  // ties: lower c
-      } else {  // the group_probe best groups, then the nprobe best cells among their centroids
-        std::fill(group_s.begin(), group_s.end(), kNegInf);
-        std::fill(group.begin(), group.end(), -1);
-        for (int64_t g = 0; g < G; ++g)
-          keep_best(group_s.data(), group.data(), gp, float(dot_codes(G8 + g * D, qc[b], D)) * (g_scale[g] * qc[b].scale), g);
-        std::sort(group.begin(), group.end());  // ascending cells: ties between cells go to the lower one
-        for (int64_t i = 0; i < gp && group[i] >= 0; ++i) {
-          const int64_t end = goff[group[i] + 1];
-          prefetch(C4 + goff[group[i]] * R4, std::min<int64_t>(end - goff[group[i]], ahead) * R4);
-          int64_t c = goff[group[i]];
-          for (; c + 4 <= end; c += 4) {
-            if (c + ahead + 4 <= end) prefetch(C4 + (c + ahead) * R4, 4 * R4);
-            int32_t dots[4];
-            dot_sq4_4(C4 + c * R4, &qcent[b * Dp], Dp, dots);
-            for (int r = 0; r < 4; ++r) keep_best(probe_s.data(), probe.data(), np, float(dots[r]), c + r);
-          }
-          for (; c < end; ++c)
-            keep_best(probe_s.data(), probe.data(), np, float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp)), c);
+      std::fill(group_s.begin(), group_s.end(), kNegInf);
+      std::fill(group.begin(), group.end(), -1);
+      for (int64_t g = 0; g < G; ++g)
+        keep_best(group_s.data(), group.data(), gp, float(dot_codes(G8 + g * D, qc[b], D)) * (g_scale[g] * qc[b].scale), g);
+      for (int64_t i = 0; i < gp && group[i] >= 0; ++i) group_rows[group[i] * B + n_rows[group[i]]++] = b;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = n_rows[g], beg = goff[g], end = goff[g + 1];
+      if (n == 0) continue;
+      const int64_t* rs = &group_rows[g * B];
+      prefetch(C4 + beg * R4, std::min<int64_t>(end - beg, ahead) * R4);
+      if (n == 1) {  // one row: four cells at a time (independent sums)
+        float* ps = &probe_s[rs[0] * np];
+        int64_t* pc = &probe[rs[0] * np];
+        const int8_t* q8 = &qcent[rs[0] * Dp];
+        int64_t c = beg;
+        for (; c + 4 <= end; c += 4) {
+          if (c + ahead + 4 <= end) prefetch(C4 + (c + ahead) * R4, 4 * R4);
+          int32_t dots[4];
+          dot_sq4_4(C4 + c * R4, q8, Dp, dots);
+          for (int r = 0; r < 4; ++r) keep_best(ps, pc, np, float(dots[r]), c + r);
+        }
+        for (; c < end; ++c) keep_best(ps, pc, np, float(dot_sq4(C4 + c * R4, q8, Dp)), c);
+        continue;
+      }
+      for (int64_t c = beg; c < end; ++c) {  // several rows: each cell against up to four rows at a time
+        if (c + ahead < end) prefetch(C4 + (c + ahead) * R4, R4);
+        for (int64_t i = 0; i < n; i += 4) {
+          const int m = int(std::min<int64_t>(4, n - i));
+          const int8_t* qs[4];
+          int32_t dots[4];
+          for (int t = 0; t < m; ++t) qs[t] = &qcent[rs[i + t] * Dp];
+          dot_sq4_q(C4 + c * R4, qs, m, Dp, dots);
+          for (int t = 0; t < m; ++t) keep_best(&probe_s[rs[i + t] * np], &probe[rs[i + t] * np], np, float(dots[t]), c);
         }
       }
+    }
+  }
+  // Per row: the members of its probed cells, candidates and re-score. One thread: rows split over
+  // torch's threads (a parallel_for, the engine's OpenMP workers still spinning after the step) did
+  // not lower the served lookup's p99 and once waited 1.5 ms for a worker (fifteenth session).
+  {
+    std::vector<float> cand_s(n_candidates), cell_q(np);
+    std::vector<int64_t> cand(n_candidates);
+    for (int64_t b = 0; b < B; ++b) {
+      if (!finite[b]) continue;
+      const float* q = &qn[b * D];
+      const int64_t* probe_b = &probe[b * np];
       std::fill(cand_s.begin(), cand_s.end(), kNegInf);
       std::fill(cand.begin(), cand.end(), -1);
       int64_t scanned = 0;
-      if (probe[0] >= 0) prefetch(L4 + off[probe[0]] * R4, (off[probe[0] + 1] - off[probe[0]]) * R4);  // the first cell
-      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) prefetch(CV + probe[p] * D, D * 2);
-      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) cell_q[p] = dot_f16(CV + probe[p] * D, q, D);  // q . c
+      if (probe_b[0] >= 0) prefetch(L4 + off[probe_b[0]] * R4, (off[probe_b[0] + 1] - off[probe_b[0]]) * R4);  // the first cell
+      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) prefetch(CV + probe_b[p] * D, D * 2);
+      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) cell_q[p] = dot_f16(CV + probe_b[p] * D, q, D);  // q . c
       const float sq = qcode_scale[b];
-      for (int64_t p = 0; p < np && probe[p] >= 0; ++p) {
-        const int64_t c = probe[p];
-        const int64_t nxt = p + 1 < np && probe[p + 1] >= 0 ? probe[p + 1] : -1;
+      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) {
+        const int64_t c = probe_b[p];
+        const int64_t nxt = p + 1 < np && probe_b[p + 1] >= 0 ? probe_b[p + 1] : -1;
         const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
         int64_t j = off[c];
         for (; j + 4 <= off[c + 1]; j += 4) {  // four rows at a time, the next cell's same rows prefetched
@@ -443,8 +520,7 @@ void anchor_search_into(
           F[b * k + j] = c != c ? c : std::min(1.f, std::max(0.f, c));  // NaN stays NaN, as numpy's clip leaves it
         }
     }
-  };
-  rows(0, B);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
