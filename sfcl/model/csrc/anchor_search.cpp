@@ -122,6 +122,19 @@ void quantise(const float* qn, int64_t D, QueryCodes& out) {
   }
 }
 
+#if defined(__AVX512BW__)
+// acc plus the int32 sums of four adjacent products of unsigned bytes u and signed bytes v (64 of
+// each): vpdpbusd on AVX512-VNNI, else vpmaddubsw + vpmaddwd, whose int16 pair sums do not saturate
+// for the codes here (4-bit codes times int8: at most 3,810; int8 magnitudes times int8: 32,258).
+inline __m512i dot_acc(__m512i acc, __m512i u, __m512i v) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, v);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, v), _mm512_set1_epi16(1)));
+#endif
+}
+#endif
+
 // sum_d q8[d] * v[d] for the int8 codes v (D,) of an anchor or centroid; exact in int32.
 inline int32_t dot_codes(const int8_t* v, const QueryCodes& q, int64_t D) {
   int64_t d = 0;
@@ -133,12 +146,7 @@ inline int32_t dot_codes(const int8_t* v, const QueryCodes& q, int64_t D) {
   for (int64_t w = 0; d + 64 <= D; d += 64, ++w) {
     const __m512i c = _mm512_mask_sub_epi8(_mm512_loadu_si512(v + d), __mmask64(q.neg[w]), zero,
                                            _mm512_loadu_si512(v + d));  // codes times q's sign
-#if defined(__AVX512VNNI__)
-    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(mag + d), c);
-#else  // |q| <= 127 and |c| <= 127: a pair sums to at most 32,258, no int16 saturation
-    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_loadu_si512(mag + d), c),
-                                                  _mm512_set1_epi16(1)));
-#endif
+    acc = dot_acc(acc, _mm512_loadu_si512(mag + d), c);
   }
   s = _mm512_reduce_add_epi32(acc);
 #elif defined(__AVX2__)
@@ -169,23 +177,21 @@ float sq4_query(const float* qn, int64_t D, const float* step, int64_t Dp, float
   return quantise_into(t, Dp, q8);
 }
 
+#if defined(__AVX512BW__)
+// The 64 codes of block w of a packed row p (dimensions 64 w .. 64 w + 63, in order) as bytes.
+inline __m512i sq4_block(const uint8_t* p, int64_t w) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+}
+#endif
+
 // sum_d q8[d] * code[d] over the packed 4-bit codes p (Dp / 2,) of one row (sq4_rows' layout: block
 // w's byte j holds dimension 64 w + j low and 64 w + 32 + j high); exact in int32.
 inline int32_t dot_sq4(const uint8_t* p, const int8_t* q8, int64_t Dp) {
 #if defined(__AVX512BW__)
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
   __m512i acc = _mm512_setzero_si512();
-  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
-    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);  // dims 64w .. 64w + 63
-#if defined(__AVX512VNNI__)
-    acc = _mm512_dpbusd_epi32(acc, c, _mm512_loadu_si512(q8 + w * kSq4Block));
-#else  // codes <= 15, |q| <= 127: a pair sums to at most 3,810, no int16 saturation
-    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(c, _mm512_loadu_si512(q8 + w * kSq4Block)),
-                                                  _mm512_set1_epi16(1)));
-#endif
-  }
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) acc = dot_acc(acc, sq4_block(p, w), _mm512_loadu_si512(q8 + w * kSq4Block));
   return _mm512_reduce_add_epi32(acc);
 #elif defined(__AVX2__)
   const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
@@ -216,21 +222,10 @@ inline int32_t dot_sq4(const uint8_t* p, const int8_t* q8, int64_t Dp) {
 // row's sum is a chain of dependent multiply-adds, so a row at a time waits on their latency).
 inline void dot_sq4_4(const uint8_t* p, const int8_t* q8, int64_t Dp, int32_t* out) {
 #if defined(__AVX512BW__)
-  const int64_t R = Dp / 2;
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
   __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
     const __m512i q = _mm512_loadu_si512(q8 + w * kSq4Block);
-    for (int r = 0; r < 4; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * R + w * 32));
-      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
-#if defined(__AVX512VNNI__)
-      acc[r] = _mm512_dpbusd_epi32(acc[r], c, q);
-#else
-      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(c, q), _mm512_set1_epi16(1)));
-#endif
-    }
+    for (int r = 0; r < 4; ++r) acc[r] = dot_acc(acc[r], sq4_block(p + r * (Dp / 2), w), q);
   }
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
 #else
@@ -242,21 +237,10 @@ inline void dot_sq4_4(const uint8_t* p, const int8_t* q8, int64_t Dp, int32_t* o
 // a cell centroid that several of a step's rows rank is read and unpacked once for all of them.
 inline void dot_sq4_q(const uint8_t* p, const int8_t* const* q8, int nq, int64_t Dp, int32_t* out) {
 #if defined(__AVX512BW__)
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
   __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
-    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                         _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
-    for (int r = 0; r < 4; ++r) {
-      if (r >= nq) break;
-      const __m512i q = _mm512_loadu_si512(q8[r] + w * kSq4Block);
-#if defined(__AVX512VNNI__)
-      acc[r] = _mm512_dpbusd_epi32(acc[r], c, q);
-#else
-      acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(_mm512_maddubs_epi16(c, q), _mm512_set1_epi16(1)));
-#endif
-    }
+    const __m512i c = sq4_block(p, w);
+    for (int r = 0; r < nq && r < 4; ++r) acc[r] = dot_acc(acc[r], c, _mm512_loadu_si512(q8[r] + w * kSq4Block));
   }
   for (int r = 0; r < nq; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
 #else
