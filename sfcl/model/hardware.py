@@ -6,8 +6,8 @@ Why it matters: bf16 halves weight and KV memory, and on a CPU with AVX-512 BF16
 run about twice as fast as fp32. On a CPU without them (AVX2 only, e.g. the AMD EPYC this project
 also runs on) torch emulates bf16 and a bf16 GEMM of the decode shape [16 x 576] . [576 x 1536]
 ran at 1.2 GFLOP/s against 37-57 GFLOP/s in fp32 (one thread, torch 2.13): 30-47x slower. So
-``auto`` takes bf16 only where the CPU has native bf16 *and* the probe agrees; everything else runs
-fp32. On CUDA it takes bf16 where the device supports it, else fp16.
+``auto`` takes bf16 only where the CPU has native bf16 *and* the probe agrees (bf16 at least half
+fp32's rate at the decode shape, where native bf16 and fp32 run level); everything else runs fp32. On CUDA it takes bf16 where the device supports it, else fp16.
 
 Who calls it: ``sfcl.model.loader.load_model`` (``dtype="auto"``), and through it serving, the
 anchor builder, calibration, eval, bench and the tests; ``fast_float_dtype()`` also picks the
@@ -35,9 +35,13 @@ DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 PROBE_SHAPE = (16, 576, 576)  # (M, K, N): a decode-batch GEMM of SmolLM2-135M's width
 PROBE_BUDGET_S = 0.012  # per dtype: repeat the GEMM until this much time has passed (at least 2 calls)
-# Probes again (each dtype's best kept) while a CPU whose flags show native bf16 measures bf16 slower:
-# once in ~25 starts on the Intel Xeon with AMX (2026-12-05) one probe read bf16 below fp32 and the
-# process ran in float32 (a model pass 5.3 s instead of 1.3 s); 60 probes in one process never did.
+# Where the flags show native bf16, bf16 is taken unless the probe reads it below this fraction of
+# fp32. At the decode shape native bf16 and fp32 run level (the Intel Xeon with AMX: 122-151 vs
+# 142-152 GFLOP/s, 2026-12-06), so "bf16 >= fp32" was a coin toss there: 2 of 3 starts during a test
+# run took float32 and ran the model pass ~4x slower. Emulated bf16 reads 1/30-1/47 of fp32.
+NATIVE_BF16_MIN_RATIO = 0.5
+# Probes again (each dtype's best kept) while a CPU whose flags show native bf16 measures bf16 below
+# that fraction (a preempted call), before it settles on float32.
 PROBE_RETRIES = 2
 
 
@@ -127,9 +131,10 @@ def _probe_one_thread(dtypes: tuple[torch.dtype, ...]) -> dict[str, float]:
 def choose_dtype(device: str = "cpu") -> DtypeChoice:
     """The serving dtype for ``--dtype auto`` on ``device`` (cached per process).
 
-    CPU: bfloat16 when the CPU flags show native bf16 (``NATIVE_BF16_FLAGS``; unknown flags count
-    as possible) and the probe measures bf16 at least as fast as fp32 (probed up to
-    ``PROBE_RETRIES`` more times before it says otherwise); float32 otherwise.
+    CPU: bfloat16 when the CPU flags show native bf16 (``NATIVE_BF16_FLAGS``) and the probe
+    measures bf16 at ``NATIVE_BF16_MIN_RATIO`` of fp32 or more (probed up to ``PROBE_RETRIES`` more
+    times before it says otherwise), or when the flags are unknown and bf16 measures at least as
+    fast as fp32; float32 otherwise.
     CUDA: bfloat16 if ``torch.cuda.is_bf16_supported()``, else float16. Other devices: float32.
     """
     return _choose(torch.device(device).type)
@@ -145,9 +150,10 @@ def _choose(device_type: str) -> DtypeChoice:
     if dev.type != "cpu":
         return DtypeChoice(torch.float32, f"device {dev.type}: float32")
     native = has_native_bf16()
+    need = NATIVE_BF16_MIN_RATIO if native else 1.0  # flags unknown: bf16 must measure as fast
     rates = _probe_one_thread((torch.float32, torch.bfloat16))
-    for _ in range(PROBE_RETRIES):  # flags say native, the probe says slower: probe again, keep each best
-        if native is False or rates["bfloat16"] >= rates["float32"]:
+    for _ in range(PROBE_RETRIES):  # flags say native, the probe says much slower: probe again, keep each best
+        if native is False or rates["bfloat16"] >= need * rates["float32"]:
             break
         again = _probe_one_thread((torch.float32, torch.bfloat16))
         rates = {k: max(v, again[k]) for k, v in rates.items()}
@@ -157,9 +163,10 @@ def _choose(device_type: str) -> DtypeChoice:
             False: "no native bf16", None: "CPU flags unknown"}[native]
     cpu = f"{platform.machine()} {cap}, {what}"
     probe = "GFLOP/s (1 thread, a {}x{}x{} decode-shape GEMM)".format(*PROBE_SHAPE)
-    if native is not False and bf16 >= fp32:
-        return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} >= fp32 {fp32:.1f} {probe}", rates, native)
-    slower = ": bf16 slower here despite the flags" if native else ""
+    if native is not False and bf16 >= need * fp32:
+        rel = ">=" if bf16 >= fp32 else f">= {need:g} x"
+        return DtypeChoice(torch.bfloat16, f"{cpu}: bf16 GEMM {bf16:.1f} {rel} fp32 {fp32:.1f} {probe}", rates, native)
+    slower = f": bf16 below {need:g} x fp32 here despite the flags" if native else ""
     return DtypeChoice(torch.float32, f"{cpu}: fp32 GEMM {fp32:.1f} vs bf16 {bf16:.1f} {probe}{slower}", rates, native)
 
 
