@@ -75,3 +75,16 @@ def test_disconnected_non_streaming_request_logs_tokens(serve, request_lines):
     line = request_lines[-1]
     assert line["status"] == 499
     assert 0 < line["completion_tokens"] <= eng.requests[0].generated < 300
+
+
+def test_a_rejected_streaming_request_is_logged_as_a_stream(serve, request_lines):
+    """A streaming request refused after its body validated (an unknown model: a 404 before any
+    frame) is logged with ``"stream": true``; a body that does not validate logs false."""
+    url, _ = serve(FakeEngine())
+    body = {"model": "no-such-model", "max_tokens": 4, "messages": USER, "stream": True}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=10).status_code == 404
+    assert httpx.post(url + "/v1/messages", json={**body, "max_tokens": "4"}, timeout=10).status_code == 400
+    assert httpx.post(url + "/v1/messages", json={**body, "model": "default", "stream": False},
+                      timeout=10).status_code == 200
+    got = [(line["status"], line["stream"]) for line in request_lines]
+    assert got == [(404, True), (400, False), (200, False)], request_lines

@@ -3,7 +3,8 @@
 Diagnostics (``[ANCHOR]``, ``[ENGINE]`` ...) go to stderr; stdout carries only these lines, one
 bare JSON object each (``id``, ``route``, ``tag``, ``status``, ``stream``, ``prompt_tokens``,
 ``completion_tokens``, ``ttft_ms``, ``snapshots``, ``stop_reason``, ``duration_ms`` and ``error``
-when there was one), so that a log shipper can parse stdout without filtering.
+when there was one), so that a log shipper can parse stdout without filtering. ``stream`` is what
+the request asked for once its body validated (false when the body itself was rejected).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class RequestLog:
 
     id: str
     route: str
-    stream: bool = False
+    stream: bool = False  # the request asked to stream (known once its body validated)
     status: int = 200
     prompt_tokens: int = 0
     completion_tokens: int = 0

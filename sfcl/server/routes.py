@@ -144,6 +144,7 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     rid = rlog.id
     check_api_key(request, openai=api.openai)
     req: Any = await read_request(request, api.request_model, max_messages=engine.max_model_len)
+    rlog.stream = bool(req.stream)  # what the request asked for, logged even when it is rejected below
     mode = resolve_snapshot_mode(request, req.snapshot_mode)
     check_model(engine, req.model, openai=api.openai)
     prompt = api.prepare(req)
@@ -169,7 +170,6 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     events, first = await start_generation(request, prompt_ids, params, rid, openai=api.openai,
                                            wait_s=ping_s)
     if req.stream:
-        rlog.stream = True
 
         async def on_close() -> None:
             await events.aclose()
