@@ -113,7 +113,7 @@ def decode_json(raw: bytes) -> Any:
         raise ApiError(400, "body: invalid JSON: nested too deeply", param="body") from None
     except ValueError as e:
         raise ApiError(400, f"body: invalid JSON: {e}", param="body") from None
-    where = find_lone_surrogate(value)
+    where = find_lone_surrogate(value) if _SURROGATE_ESCAPE.search(text) else None
     if where is not None:
         raise ApiError(400, f"{where}: string contains a lone UTF-16 surrogate escape "
                             "(\\ud800-\\udfff without its pair), which is not valid Unicode",
@@ -161,30 +161,50 @@ async def read_request(request: Request, model_cls: type[BaseModel], max_message
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+# The only way a JSON text decoded as strict UTF-8 (which refuses encoded surrogates) can hold a
+# surrogate: a "\uD800"-"\uDFFF" escape. Also matches an escaped backslash before "uD8.." and valid
+# pairs: then the walk runs and finds nothing.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _has_surrogate(s: str) -> bool:
     return not s.isascii() and _SURROGATE.search(s) is not None
 
 
+def _children(v: Any) -> Any:
+    return iter(v.items()) if isinstance(v, dict) else enumerate(v)
+
+
 def find_lone_surrogate(value: Any) -> str | None:
     """Dotted path (``messages.0.content``, ``errors.format_loc``: long keys clipped) of the first
     string (value or key) holding a lone surrogate, else None. ``json.loads`` accepts ``"\\ud800"``
     escapes, but such strings cannot be encoded as UTF-8 (tokenizer, logs, JSON responses), so
-    they are the client's error."""
-    stack: list[tuple[Any, tuple]] = [(value, ())]
-    while stack:  # iterative: the decoder accepts nesting deeper than a recursive walk could
-        v, path = stack.pop()
-        if isinstance(v, str):
-            if _has_surrogate(v):
-                return format_loc(path)
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                if _has_surrogate(k):
-                    return format_loc(path + (k.encode("utf-8", "backslashreplace").decode("ascii", "replace"),))
-                stack.append((item, path + (k,)))
-        elif isinstance(v, list):
-            stack.extend((item, path + (i,)) for i, item in enumerate(v))
+    they are the client's error.
+
+    Depth-first with one iterator per open container: memory grows with the nesting depth, not
+    with the number of values, and nothing is allocated per value (BUG: a path tuple per value made
+    a 32 MB body of 16 million array items take 37 s and gigabytes, holding the GIL)."""
+    if isinstance(value, str):
+        return format_loc(()) if _has_surrogate(value) else None
+    if not isinstance(value, (dict, list)):
+        return None
+    path: list = []  # keys from the root to the container walked now
+    open_: list = [_children(value)]  # iterative: the decoder accepts nesting deeper than recursion could
+    while open_:
+        for k, item in open_[-1]:
+            if type(k) is str and _has_surrogate(k):
+                return format_loc((*path, k.encode("utf-8", "backslashreplace").decode("ascii", "replace")))
+            if isinstance(item, str):
+                if _has_surrogate(item):
+                    return format_loc((*path, k))
+            elif isinstance(item, (dict, list)):
+                path.append(k)
+                open_.append(_children(item))
+                break
+        else:  # this container is done
+            open_.pop()
+            if path:
+                path.pop()
     return None
 
 
