@@ -592,7 +592,20 @@ def test_more_messages_than_the_window_has_tokens_are_refused_before_validation(
 
 
 def test_health_answers_head(url):
-    assert httpx.head(url + "/health", timeout=10).status_code == 200
+    r = httpx.head(url + "/health", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+
+
+def test_openapi_schema_builds_without_warnings():
+    """GET and HEAD /health on one route gave FastAPI's "Duplicate Operation ID" warning on every
+    /openapi.json (in the server's stderr)."""
+    import warnings
+
+    app = create_app(FakeEngine())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = app.openapi()
+    assert set(schema["paths"]["/health"]) == {"get"}
 
 
 def test_anchor_reload_body_must_be_json(serve):

@@ -70,7 +70,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
+    @app.get("/health")
     async def health() -> JSONResponse:
         try:
             details = engine.health()
@@ -81,6 +81,10 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
             log.exception("engine.health() failed")
             return JSONResponse({"status": "error", "error": type(e).__name__}, status_code=503)
         return JSONResponse({**details, "status": "ok"})
+
+    # HEAD for load balancers' checks: the same handler, out of the OpenAPI schema (one operation
+    # id per route there; GET and HEAD on one route made FastAPI warn of a duplicate id)
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     def model_entry(request: Request) -> dict:
         if error_style(request) == "anthropic":
