@@ -88,3 +88,22 @@ def test_a_rejected_streaming_request_is_logged_as_a_stream(serve, request_lines
                       timeout=10).status_code == 200
     got = [(line["status"], line["stream"]) for line in request_lines]
     assert got == [(404, True), (400, False), (200, False)], request_lines
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted_within_the_disconnect_poll(serve, request_lines):
+    """BUG (found by a tester): a non-streaming request noticed its client gone only every ping
+    interval (5 s here), generating for nobody meanwhile; now within DISCONNECT_POLL_S (0.25 s).
+    At 20 ms a token, 5 s is ~250 tokens; the bound below leaves 2 s of slack."""
+    from sfcl.server.generation import DISCONNECT_POLL_S
+
+    assert DISCONNECT_POLL_S <= 0.5
+    eng = FakeEngine(reply="word " * 400, token_delay_s=0.02)
+    url, _ = serve(eng, ping_interval_s=5.0)
+    body = {"model": "default", "max_tokens": 400, "messages": USER}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/messages", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while not request_lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request_lines and request_lines[-1]["status"] == 499
+    assert eng.requests[0].generated < 125, eng.requests[0].generated

@@ -163,9 +163,17 @@ class Collected:
     prompt_tokens: int | None = None
 
 
+# A non-streaming request checks this often whether its client is still there (at most; the ping
+# interval when shorter): a client gone is aborted within this time, not after a whole ping interval
+# (5 s by default) of generating for nobody. One check is a receive with an already-expired deadline.
+DISCONNECT_POLL_S = 0.25
+
+
 async def collect(request: Request, events: EngineEvents, first: Any, rlog: RequestLog,
                   poll_s: float) -> Collected:
-    """Read a whole generation (non-streaming); checks for a client disconnect every ``poll_s``."""
+    """Read a whole generation (non-streaming); checks for a client disconnect every ``poll_s`` or
+    ``DISCONNECT_POLL_S``, whichever is shorter, and raises ClientGone when it has left."""
+    poll_s = min(poll_s, DISCONNECT_POLL_S)
     out = Collected()
     parts: list[str] = []
     ev = first
