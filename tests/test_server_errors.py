@@ -572,6 +572,8 @@ def test_error_messages_clip_the_values_they_quote(url):
     assert len(err["param"]) == QUOTE_CHARS + 1 and "surrogate" in err["message"]
     r = httpx.get(url + "/" + "p" * 10_000, timeout=10)
     assert r.status_code == 404 and len(r.content) < 400
+    r = httpx.get(url + "/v1/models/" + "m" * 5_000, timeout=10)  # the model id is clipped too
+    assert r.status_code == 404 and len(r.content) < 400
 
 
 def test_more_messages_than_the_window_has_tokens_are_refused_before_validation(url, monkeypatch):

@@ -37,6 +37,7 @@ from sfcl.server.errors import ApiError, error_style, install_error_handlers, lo
 from sfcl.server.openapi import install_openapi
 from sfcl.server.parsing import body_json, read_body
 from sfcl.server.request_log import setup_request_logger
+from sfcl.text import clip
 
 
 def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interval_s: float = 5.0,
@@ -108,7 +109,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         openai = error_style(request) == "openai"
         check_api_key(request, openai=openai)
         if model_id not in (engine.model_name, "default"):
-            raise ApiError(404, f"model: {model_id} not found", param="model",
+            raise ApiError(404, f"model: {clip(model_id)} not found", param="model",
                            code="model_not_found" if openai else None)
         return JSONResponse(model_entry(request))
 
