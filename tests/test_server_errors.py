@@ -105,7 +105,7 @@ def test_body_not_an_object(url):
     (a_body(temperature="hot"), "temperature: Input should be a valid number"),
     (a_body(temperature=1.5), "temperature: Input should be less than or equal to 1"),
     (a_body(top_p=0), "top_p: Input should be greater than 0"),
-    (a_body(tools=[]), "tools: Extra inputs are not permitted"),
+    (a_body(functions=[]), "functions: Extra inputs are not permitted"),
     (a_body(stop_sequences=[""]), "stop"),
     (a_body(snapshot_mode="sometimes"), "snapshot_mode: Input should be 'off', 'triggered'"),
     (a_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
@@ -135,7 +135,7 @@ def test_anthropic_validation(url, body, expected):
     (o_body(temperature=2.5), "temperature", "temperature: Input should be less than or equal"),
     (o_body(n=2), "n", "n: only n=1 is supported"),
     (o_body(stop=["ok", ""]), "stop", "stop: stop sequences must be non-empty"),
-    (o_body(tools=[]), "tools", "tools: Extra inputs are not permitted"),
+    (o_body(functions=[]), "functions", "functions: Extra inputs are not permitted"),
     (o_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
 ])
@@ -620,3 +620,50 @@ def test_anchor_reload_body_must_be_json(serve):
     r = httpx.post(url + "/admin/anchors/reload", content=body, headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 404  # past the check: this engine cannot reload
     assert httpx.post(url + "/admin/anchors/reload", timeout=10).status_code == 404  # no body: no content type needed
+
+
+@pytest.mark.parametrize("path, fields", [
+    (O, {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0, "logit_bias": {},
+         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+         "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}),
+    (A, {"tools": [], "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"}, "service_tier": "auto",
+         "metadata": {"user_id": "u"}}),
+])
+def test_fields_without_a_feature_are_accepted_at_their_neutral_values(url, path, fields):
+    """Clients and frameworks send some fields with their defaults (``presence_penalty: 0``,
+    ``tools: []``): a 400 "Extra inputs are not permitted" for those broke them (a tester)."""
+    body = o_body(max_tokens=3, **fields) if path == O else a_body(**fields)
+    assert post(url, path, body).status_code == 200
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("presence_penalty", 0.5, "no repetition penalty"),
+    ("frequency_penalty", -1, "no repetition penalty"),
+    ("logprobs", True, "log probabilities"),
+    ("top_logprobs", 3, "log probabilities"),
+    ("logit_bias", {"50256": -100}, "logit bias"),
+    ("response_format", {"type": "json_object"}, "no JSON mode"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tool use"),
+    ("tool_choice", "auto", "tool use"),
+])
+def test_openai_fields_without_a_feature_are_400_when_set(url, field, value, says):
+    err = openai_error(post(url, O, o_body(max_tokens=3, **{field: value})), 400, field)
+    assert err["message"].startswith(f"{field}: ") and says in err["message"], err
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("top_k", 40, "top-k"),
+    ("tools", [{"name": "f", "input_schema": {"type": "object"}}], "tool use"),
+    ("tool_choice", {"type": "auto"}, "tool use"),
+    ("thinking", {"type": "enabled", "budget_tokens": 1024}, "extended thinking"),
+])
+def test_anthropic_fields_without_a_feature_are_400_when_set(url, field, value, says):
+    msg = anthropic_error(post(url, A, a_body(**{field: value})), 400, "invalid_request_error")
+    assert msg.startswith(f"{field}: ") and says in msg, msg
+
+
+def test_fields_without_a_feature_still_check_their_json_types(url):
+    openai_error(post(url, O, o_body(presence_penalty="0")), 400, "presence_penalty")
+    openai_error(post(url, O, o_body(presence_penalty=3)), 400, "presence_penalty")
+    openai_error(post(url, O, o_body(logprobs=0)), 400, "logprobs")
+    assert anthropic_error(post(url, A, a_body(top_k="4")), 400, "invalid_request_error").startswith("top_k")

@@ -27,7 +27,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ApiError, anthropic_type_for, jsonable
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, stop_list
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, check_neutral, stop_list
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import named_event
 from sfcl.text import clip
@@ -60,6 +60,21 @@ class MessagesRequest(SFCLFields):  # + snapshot_mode, steer, ignore_eos
     stop_sequences: Optional[list[str]] = None
     stream: JsonBool = False
     metadata: Optional[dict[str, Any]] = None
+    # accepted at their neutral values only (NEUTRAL below); service_tier accepted and ignored
+    top_k: Optional[JsonInt] = Field(None, ge=0)
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+
+
+# Messages fields without an SFCL feature: (the value that means "off", the 400 otherwise)
+NEUTRAL = {
+    "top_k": (lambda v: False, "top-k sampling is not supported (top_p is)"),
+    "tools": (lambda v: not v, "tool use is not supported"),
+    "tool_choice": (lambda v: v == {"type": "none"}, 'tool use is not supported (only {"type": "none"})'),
+    "thinking": (lambda v: v == {"type": "disabled"}, 'extended thinking is not supported (only {"type": "disabled"})'),
+}
 
 
 def _text(content: Union[str, list[TextBlock], None]) -> str:
@@ -172,6 +187,7 @@ class MessagesApi(ApiAdapter):
         return e.type or anthropic_type_for(e.status)
 
     def prepare(self, req: MessagesRequest) -> Prompt:
+        check_neutral(req, NEUTRAL)
         messages = to_engine_messages(req)
         system = _text(req.system) or None
         return Prompt(messages, system, stop_list(req.stop_sequences, "stop_sequences"), seed=None,

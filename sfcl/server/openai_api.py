@@ -25,7 +25,7 @@ from sfcl.engine.events import Finished, SnapshotEvent
 from sfcl.engine.protocol import EngineClient
 from sfcl.server.errors import ANTHROPIC_STATUS, ApiError, jsonable, openai_error_body, openai_type_for
 from sfcl.server.generation import Collected, snapshot_dict
-from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, stop_list
+from sfcl.server.parsing import JsonBool, JsonFloat, JsonInt, SFCLFields, check_neutral, stop_list
 from sfcl.server.routes import ApiAdapter, Framing, Prompt, generation_route
 from sfcl.server.sse import DONE, comment_event, data_event
 
@@ -66,6 +66,32 @@ class ChatCompletionRequest(SFCLFields):  # + snapshot_mode, steer, ignore_eos
     n: Optional[JsonInt] = None
     seed: Optional[JsonInt] = None
     user: Optional[str] = None  # accepted and ignored
+    # accepted at their neutral values only (NEUTRAL below); the rest accepted and ignored
+    presence_penalty: Optional[JsonFloat] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[JsonFloat] = Field(None, ge=-2.0, le=2.0)
+    logprobs: Optional[JsonBool] = None
+    top_logprobs: Optional[JsonInt] = Field(None, ge=0, le=20)
+    logit_bias: Optional[dict[str, JsonFloat]] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[JsonBool] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[JsonBool] = None
+    service_tier: Optional[str] = None
+
+
+# Chat Completions fields without an SFCL feature: (the value that means "off", the 400 otherwise)
+NEUTRAL = {
+    "presence_penalty": (lambda v: v == 0, "only 0 is supported (this server applies no repetition penalty)"),
+    "frequency_penalty": (lambda v: v == 0, "only 0 is supported (this server applies no repetition penalty)"),
+    "logprobs": (lambda v: v is False, "token log probabilities are not returned by this server"),
+    "top_logprobs": (lambda v: v == 0, "token log probabilities are not returned by this server"),
+    "logit_bias": (lambda v: not v, "logit bias is not supported"),
+    "response_format": (lambda v: v == {"type": "text"}, 'only {"type": "text"} is supported (no JSON mode)'),
+    "tools": (lambda v: not v, "tool use is not supported"),
+    "tool_choice": (lambda v: v == "none", 'tool use is not supported (only "none")'),
+}
 
 
 def to_engine_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -165,6 +191,7 @@ class ChatCompletionsApi(ApiAdapter):
     def prepare(self, req: ChatCompletionRequest) -> Prompt:
         if req.n not in (None, 1):
             raise ApiError(400, "n: only n=1 is supported", param="n")
+        check_neutral(req, NEUTRAL)
         messages = to_engine_messages(req)
         return Prompt(messages, None, stop_list(req.stop, "stop"), seed=req.seed,
                       requested_max_tokens=req.max_completion_tokens or req.max_tokens)

@@ -219,6 +219,17 @@ def parse_model(model_cls: type[BaseModel], data: Any) -> Any:
         raise validation_api_error(e) from None
 
 
+def check_neutral(req: BaseModel, neutral: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """Fields of an API that SFCL has no feature for are accepted at the value that means "off"
+    (clients and frameworks send some with their defaults: ``presence_penalty: 0``, ``tools: []``);
+    ``neutral`` maps each field name to (is the value neutral, what the 400 says otherwise). Raises
+    ApiError 400 naming the first field set (not None) to another value."""
+    for name, (ok, why) in neutral.items():
+        value = getattr(req, name)
+        if value is not None and not ok(value):
+            raise ApiError(400, f"{name}: {why}", param=name)
+
+
 def stop_list(value: str | list[str] | None, param: str) -> list[str]:
     """A request's stop sequences (a string or a list; None: none) as a list; raises ApiError 400
     naming ``param`` unless ``sfcl.engine.request.check_stop`` accepts them (how many, how long)."""
