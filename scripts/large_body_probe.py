@@ -6,8 +6,8 @@ Usage: python scripts/large_body_probe.py [--url http://127.0.0.1:8000] [--items
 Posts ``{"model": ..., "max_tokens": 2, "messages": [...], "x": [1, 1, ...]}`` (``--items`` array
 items: 16 million make a ~32 MB body, just under the server's 32 MiB limit) to ``/v1/messages``,
 which refuses it (400: ``x`` is not a field), and meanwhile sends 16-token requests one after
-another. ``--escape`` puts one ``"\\ud800"`` escape in the array, so that the server's lone-surrogate
-walk runs over the whole body. Prints the small request's time before, each one during, and the big
+another. ``--escape`` ends the array with a ``"\\ud800"`` escape, so that the server's lone-surrogate walk
+runs over the whole body before it finds it. Prints the small request's time before, each one during, and the big
 request's status and time.
 """
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     a = ap.parse_args(argv)
     head = '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "x": [' % a.model
-    raw = (head + ('"\\ud800",' if a.escape else "") + ",".join(["1"] * a.items) + "]}").encode()
+    raw = (head + ",".join(["1"] * a.items) + (', "\\ud800"' if a.escape else "") + "]}").encode()
     small = {"model": a.model, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 
     def timed_small() -> float:
