@@ -7,7 +7,8 @@ run about twice as fast as fp32. On a CPU without them (AVX2 only, e.g. the AMD 
 also runs on) torch emulates bf16 and a bf16 GEMM of the decode shape [16 x 576] . [576 x 1536]
 ran at 1.2 GFLOP/s against 37-57 GFLOP/s in fp32 (one thread, torch 2.13): 30-47x slower. So
 ``auto`` takes bf16 only where the CPU has native bf16 *and* the probe agrees (bf16 at least half
-fp32's rate at the decode shape, where native bf16 and fp32 run level); everything else runs fp32. On CUDA it takes bf16 where the device supports it, else fp16.
+fp32's rate at the decode shape, where native bf16 and fp32 run level); everything else runs fp32.
+On CUDA it takes bf16 where the device supports it, else fp16.
 
 Who calls it: ``sfcl.model.loader.load_model`` (``dtype="auto"``), and through it serving, the
 anchor builder, calibration, eval, bench and the tests; ``fast_float_dtype()`` also picks the

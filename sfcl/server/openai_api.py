@@ -81,8 +81,10 @@ class ChatCompletionRequest(SFCLFields):  # + snapshot_mode, steer, ignore_eos
     service_tier: Optional[str] = None
 
 
-# Chat Completions fields without an SFCL feature: (the value that means "off", the 400 otherwise)
+# Chat Completions fields without an SFCL feature (n: several choices): (the value that means
+# "off", the 400 otherwise)
 NEUTRAL = {
+    "n": (lambda v: v == 1, "only n=1 is supported"),
     "presence_penalty": (lambda v: v == 0, "only 0 is supported (this server applies no repetition penalty)"),
     "frequency_penalty": (lambda v: v == 0, "only 0 is supported (this server applies no repetition penalty)"),
     "logprobs": (lambda v: v is False, "token log probabilities are not returned by this server"),
@@ -189,8 +191,6 @@ class ChatCompletionsApi(ApiAdapter):
         return e.code or e.openai_type or openai_type_for(e.status)
 
     def prepare(self, req: ChatCompletionRequest) -> Prompt:
-        if req.n not in (None, 1):
-            raise ApiError(400, "n: only n=1 is supported", param="n")
         check_neutral(req, NEUTRAL)
         messages = to_engine_messages(req)
         return Prompt(messages, None, stop_list(req.stop, "stop"), seed=req.seed,

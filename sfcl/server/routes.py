@@ -170,7 +170,6 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     events, first = await start_generation(request, prompt_ids, params, rid, openai=api.openai,
                                            wait_s=ping_s)
     if req.stream:
-
         async def on_close() -> None:
             await events.aclose()
             rlog.write()
