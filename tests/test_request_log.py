@@ -38,6 +38,16 @@ def request_lines():
     logging.getLogger("sfcl.requests").removeHandler(grab)
 
 
+def _last_line(request_lines: list[dict]) -> dict:
+    """The newest request-log line, waiting up to 10 s for the first one (a line is written when
+    the server notices the request has ended)."""
+    deadline = time.monotonic() + 10
+    while not request_lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request_lines, "no request log line"
+    return request_lines[-1]
+
+
 @pytest.mark.parametrize("route,is_text", [
     ("/v1/messages", lambda line: line == "event: content_block_delta"),
     ("/v1/chat/completions", lambda line: line.startswith("data: {") and '"content":"word' in line)])
@@ -51,11 +61,7 @@ def test_disconnected_stream_logs_tokens_generated_so_far(serve, request_lines, 
             received += is_text(line)  # one text delta (one word token) per frame
             if received == 5:
                 break
-    deadline = time.monotonic() + 10
-    while not request_lines and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert request_lines, "no request log line"
-    line = request_lines[-1]
+    line = _last_line(request_lines)
     assert line["status"] == 499 and line["stop_reason"] is None
     generated = eng.requests[0].generated
     assert generated < 300  # the request really was cut short
@@ -69,10 +75,7 @@ def test_disconnected_non_streaming_request_logs_tokens(serve, request_lines):
     body = {"model": "default", "max_tokens": 400, "messages": USER}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/messages", json=body, timeout=0.5)
-    deadline = time.monotonic() + 10
-    while not request_lines and time.monotonic() < deadline:
-        time.sleep(0.02)
-    line = request_lines[-1]
+    line = _last_line(request_lines)
     assert line["status"] == 499
     assert 0 < line["completion_tokens"] <= eng.requests[0].generated < 300
 
@@ -102,8 +105,5 @@ def test_a_non_streaming_client_that_leaves_is_aborted_within_the_disconnect_pol
     body = {"model": "default", "max_tokens": 400, "messages": USER}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/messages", json=body, timeout=0.3)
-    deadline = time.monotonic() + 10
-    while not request_lines and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert request_lines and request_lines[-1]["status"] == 499
+    assert _last_line(request_lines)["status"] == 499
     assert eng.requests[0].generated < 125, eng.requests[0].generated
