@@ -24,14 +24,14 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   Lowe, "Scalable nearest neighbor algorithms for high dimensional data", TPAMI 2014). A query scores
   the groups' centroids (its int8 codes against theirs), then the centroids of the
   ``IVF_GROUP_PROBE`` best groups' cells (every centroid when ungrouped; the rows of one call share
-  the reads: each group some row chose has its cells' codes read once for all of them), scans the ``nprobe`` best
-  cells' codes, keeps ``candidates(k, N)`` (12 for k = 3) and re-scores them in float32 against the
-  stored float16 vectors, so the returned scores are the stored vectors' own. Against 4-bit codes
-  the query is the int8 codes q8 (scale s) of its product with the codes' per-dimension steps
-  (``sq4_query``): with x ~ lo + code * step, q . x = q . lo + s sum_d q8_d code_d, and q . lo is
-  the same for every row of a query, so the integer sums (exact) rank the centroids; an anchor in
-  cell c, x = c + r, scores q . c (the centroid's float16 vector, float32 sums) + s sum_d q8_d
-  code(r)_d. Residuals span a narrower range than the vectors, so their 4-bit steps are finer:
+  the reads: each group some row chose has its cells' codes read once for all of them), scans the
+  ``nprobe`` best cells' codes, keeps ``candidates(k, N)`` (12 for k = 3) and re-scores them in
+  float32 against the stored float16 vectors, so the returned scores are the stored vectors' own.
+  Against 4-bit codes the query is the int8 codes q8 (scale s) of its product with the codes'
+  per-dimension steps (``sq4_query``): with x ~ lo + code * step, q . x = q . lo + s sum_d q8_d
+  code_d, and q . lo is the same for every row of a query, so the integer sums (exact) rank the
+  centroids; an anchor in cell c, x = c + r, scores q . c (the centroid's float16 vector, float32
+  sums) + s sum_d q8_d code(r)_d. Residuals span a narrower range than the vectors, so their 4-bit steps are finer:
   recall@3 on the 32,731 anchors of the 61 dev NDAs was 0.971 with 4-bit codes of the vectors
   against 0.983 with int8 codes (``scripts/anchor_search_bench.py``, 2026-12-05). The kernel module's
   ``anchor_search`` / ``anchor_lookup`` (``sfcl/model/csrc/anchor_search.cpp``, one call, one

@@ -8,10 +8,10 @@ the step's other per-row results; the host keeps only the rows whose trigger fir
 (``sfcl.engine.fused_lookup``).
 
 The algorithm mirrors ``AnchorIndex``'s dense search exactly so both paths return the same
-anchors: with a 16-bit search copy, candidates (``sfcl.library.index.candidates``: 12 for k = 3) by a 16-bit matmul, re-scored in
-float32 against the stored float16 vectors; with float32, exact outright. (A CPU ``AnchorIndex``
-over a large library may use IVF candidates instead; the snapshotter builds a dense one wherever
-the fused lookup is the default, on CUDA.) Confidences are
+anchors: with a 16-bit search copy, candidates (``sfcl.library.index.candidates``: 12 for k = 3)
+by a 16-bit matmul, re-scored in float32 against the stored float16 vectors; with float32, exact
+outright. (A CPU ``AnchorIndex`` over a large library may use IVF candidates instead; the
+snapshotter builds a dense one wherever the fused lookup is the default, on CUDA.) Confidences are
 ``sfcl.snapshot.triggers.anchor_confidence_each`` of the library's weights and decays.
 
 Memory on the device: the search copy (N x D x 2 bytes in bf16) plus the stored float16 vectors
