@@ -1,7 +1,8 @@
 """Time and profile the anchor builder's model pass (``sfcl.anchors.model_pass.run_windows``).
 
 Usage: python scripts/profile_model_pass.py [--windows 4] [--window-tokens 1024] [--reps 2] [--profile]
-       [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--ops] [--logit-rows 128,512]
+       [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--attention both] [--ops]
+       [--logit-rows 128,512]
 
 Runs the bundled model over ``--windows`` windows of the bundled sample corpus (or ``--corpus``, e.g.
 ``../shared/data/contractnli/dev.json``), prints the wall time
@@ -16,7 +17,10 @@ loaded, a decoder layer's element-wise steps between SFCL's operators (``torch.o
 with the kernels unloaded, so with torch's element-wise operators too). ``--snapshot-softmax both``
 alternates the snapshot layer's attention weights and entropies between SFCL's one-pass kernel
 (``torch.ops.sfcl.causal_softmax_entropy_``; ``sfcl.anchors.model_pass.native_softmax``) and torch's
-eager softmax and ``attention_dispersion``. ``--logit-rows A,B`` alternates
+eager softmax and ``attention_dispersion``. ``--attention both`` alternates the other layers' causal
+attention between SFCL's AMX kernel (``torch.ops.sfcl.causal_attention``;
+``sfcl.anchors.model_pass.native_attention``, where the CPU and the kernels' build have AMX) and torch's
+causal SDPA. ``--logit-rows A,B`` alternates
 ``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--ops`` first times
 the snapshot layer's attention with its dispersion over one window (SFCL's weights and entropies against torch's
 eager softmax), then each
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logit-stats", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--elementwise", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--snapshot-softmax", choices=("native", "torch", "both"), default="native")
+    ap.add_argument("--attention", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--corpus", nargs="*", help="corpus files (as `sfcl anchors build` takes them) whose text, "
                     "joined, gives the windows (default: the bundled sample corpus)")
@@ -72,18 +77,22 @@ def main(argv: list[str] | None = None) -> None:
     loaded = decode_kernel.loaded
     native_rows = llama.native_rows
     pick = {"native": ["native"], "torch": ["torch"], "both": ["native", "torch"]}
-    native_softmax = model_pass.native_softmax
-    modes = list(dict.fromkeys((ls, ew if ls == "native" else "torch", sm if ls == "native" else "torch")
+    native_softmax, native_attention = model_pass.native_softmax, model_pass.native_attention
+    modes = list(dict.fromkeys((ls, ew if ls == "native" else "torch", sm if ls == "native" else "torch",
+                                at if ls == "native" else "torch")
                                for ls in pick[a.logit_stats] for ew in pick[a.elementwise]  # torch's logits
-                               for sm in pick[a.snapshot_softmax]))  # reductions: kernels unloaded
+                               for sm in pick[a.snapshot_softmax] for at in pick[a.attention]))  # reductions: kernels unloaded
+    with torch.inference_mode():
+        amx_here = native_attention(torch.empty(1, 64, dtype=dtype))
     row_counts = [int(r) for r in a.logit_rows.split(",") if r] or [model_pass.LOGIT_ROWS]
     default_rows = model_pass.LOGIT_ROWS
     try:
         for _ in range(a.reps):
-            for (ls, ew, sm), rows in ((m, r) for m in modes for r in row_counts):
+            for (ls, ew, sm, at), rows in ((m, r) for m in modes for r in row_counts):
                 decode_kernel.loaded = (lambda: False) if ls == "torch" else loaded
                 llama.native_rows = (lambda x: False) if ew == "torch" else native_rows
                 model_pass.native_softmax = (lambda q: False) if sm == "torch" else native_softmax
+                model_pass.native_attention = (lambda q: False) if at == "torch" else native_attention
                 model_pass.LOGIT_ROWS = rows
                 t = time.perf_counter()
                 run_windows(lm.model, wins, layer, 8)
@@ -91,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                 on = native and ls == "native"
                 which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
                          + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
-                         + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax")
+                         + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax") + ", "
+                         + ("SFCL's AMX attention" if on and at == "native" and amx_here else "torch's SDPA")
                          + f", logits {rows} rows at a time")
                 print(f"{len(wins)} windows x {W} tokens ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
                       f"threads, {which}): {dt:.2f} s; floor {floor:.2f} s at {rate:.0f} GFLOP/s -> {dt / floor:.2f}x",
@@ -100,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         decode_kernel.loaded = loaded
         llama.native_rows = native_rows
         model_pass.native_softmax = native_softmax
+        model_pass.native_attention = native_attention
         model_pass.LOGIT_ROWS = default_rows
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -17,8 +17,9 @@ returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers
   (``sfcl.snapshot.triggers.attention_dispersion``, the serving rule), for every position.
 
 Windows are packed into batches of at most ``batch_tokens`` tokens: every linear layer runs once
-over the whole batch, attention once per run of equal-length windows (causal SDPA with the windows
-as its batch), except at the snapshot layer, whose weights the dispersion needs: there per window,
+over the whole batch, attention once per run of equal-length windows with the windows as its batch
+(``torch.ops.sfcl.causal_attention``, SFCL's AMX kernel, where :func:`native_attention`; torch's
+causal SDPA elsewhere), except at the snapshot layer, whose weights the dispersion needs: there per window,
 the scores by one matmul and the causal softmax with each row's entropy by one native pass
 (``torch.ops.sfcl.causal_softmax_entropy_``; torch's eager softmax where SFCL's kernels are not
 loaded). A window is one causal pass from position 0, so no
@@ -98,6 +99,14 @@ def native_softmax(q: torch.Tensor) -> bool:
             and decode_kernel.loaded() and not torch.is_grad_enabled())
 
 
+def native_attention(q: torch.Tensor) -> bool:
+    """Whether a layer's causal attention (all but the snapshot layer's) runs on SFCL's AMX kernel
+    (``torch.ops.sfcl.causal_attention``): a CPU bf16 tensor with head size 64, SFCL's kernels loaded
+    and built with AMX, the OS granting the tile state, no autograd. Elsewhere torch's causal SDPA."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and decode_kernel.loaded()
+            and not torch.is_grad_enabled() and torch.ops.sfcl.causal_attention_ready())
+
+
 def _snapshot_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """The snapshot layer's causal attention of one window from position 0, with its weights' dispersion.
     q (1, nh, T, hd), k/v (1, nkv, T, hd). Returns o (T, nh hd) and the dispersion (T,) float32 of
@@ -156,6 +165,7 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
         starts.append(starts[-1] + n)
     runs = _equal_runs(lens)  # (first token, windows, length) of consecutive windows of one length
     tap = disp = None
+    amx = None  # whether native_attention, decided at the first layer
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(h), cos, sin)  # (1, N, heads, hd)
@@ -167,9 +177,14 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
                 outs.append(o)  # (T, nh hd)
                 disps.append(d)
         else:
-            for a, n, T in runs:  # windows of one length: one causal SDPA call with the windows as its batch
+            amx = native_attention(q) if amx is None else amx
+            for a, n, T in runs:  # windows of one length: one causal attention call with the windows as its batch
                 b = a + n * T
-                qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]).transpose(1, 2) for x in (q, k, v))
+                qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]) for x in (q, k, v))  # (n, T, heads, hd)
+                if amx:
+                    outs.append(torch.ops.sfcl.causal_attention(qb, kb, vb, attn.scale).view(n * T, -1))  # (n T, nh hd)
+                    continue
+                qb, kb, vb = (x.transpose(1, 2) for x in (qb, kb, vb))  # (n, heads, T, hd)
                 o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)  # (n, nh, T, hd)
                 outs.append(o.transpose(1, 2).reshape(n * T, -1))  # (n T, nh hd)
         h = h + attn.o_proj(torch.cat(outs)[None])  # (1, N, H)

@@ -14,7 +14,10 @@ surprisal in one pass; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.rms_norm``
 (``elementwise.cpp``, a decoder layer's element-wise steps over many 16-bit rows, one loop each, for
 prompt chunks and the anchor builder; ``sfcl.model.llama``), ``torch.ops.sfcl.causal_softmax_entropy_``
 (``attention_entropy.cpp``, the snapshot layer's causal attention weights and their entropy over a
-window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), and the module's ``anchor_search`` / ``anchor_lookup``
+window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.causal_attention``
+(``causal_attention.cpp``, the anchor builder's causal attention of the other layers on AMX tiles, compiled
+where ``-march`` enables AMX; ``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
+``sfcl.anchors.model_pass``), and the module's ``anchor_search`` / ``anchor_lookup``
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
 
@@ -60,7 +63,7 @@ CSRC = Path(__file__).with_name("csrc")
 # bindings.cpp first: the slowest to compile (pybind11's headers), so ninja starts it while the others build
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
                                    "int8_linear.cpp", "int4_linear.cpp", "logit_stats.cpp", "elementwise.cpp",
-                                   "attention_entropy.cpp"))
+                                   "attention_entropy.cpp", "causal_attention.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h", CSRC / "elementwise.h")
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
 # (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one).
@@ -77,7 +80,8 @@ MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats",
-       "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_")  # the torch operators a loaded library must register
+       "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_", "causal_attention",
+       "causal_attention_ready")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
@@ -212,7 +216,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
         print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, "
-              f"logit statistics, element-wise steps of prompt rows, attention entropy: {len(SOURCES)} files) with the C++ compiler "
+              f"logit statistics, element-wise steps of prompt rows, attention entropy, prompt attention: {len(SOURCES)} files) with the C++ compiler "
               "(once per machine kind, ~40 s on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     t0 = time.perf_counter()

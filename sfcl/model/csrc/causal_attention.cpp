@@ -1,0 +1,290 @@
+// Causal self-attention of prompt windows on Intel AMX tiles, for the anchor builder's model pass
+// (sfcl/anchors/model_pass.py): every window attends from its position 0, no KV cache.
+//
+//   o[w, i, h] = sum_{j <= i} p[i, j] v[w, j, g(h)],   p[i, :] = softmax_j(scale q[w, i, h] . k[w, j, g(h)])
+//
+// with g(h) = h / (nh / nkv) (grouped-query attention). Per (window, head, block of 32 queries):
+// the block's scores against keys 0 .. its last row, S = Q K^T, by AMX tile products (bf16 in,
+// float32 accumulated); each row's causal softmax in float32 (sfcl::exp_nonpositive, ~1 ulp),
+// its exponentials rounded to bf16 and normalised after P V (as torch's flash attention for CPU
+// does: its P is rounded to the input dtype before the product with V); O = P V by tile products.
+// K and V are first packed per (window, KV head) into the pair-interleaved ("VNNI") layout the
+// tile product reads its second operand in. A block is 32 rows x at most T keys, so the whole row
+// of scores fits a per-thread float32 buffer and no online rescaling is needed (T <= 8192).
+//
+// Why: torch 2.13's CPU flash attention (scaled_dot_product_attention) ran the build's 29 causal
+// layers at ~12 ms per 4 windows x 1,024 tokens on 2 threads of an Intel Xeon with AMX, about 6x the
+// rate of the GEMM probe the build's floor is counted at (docs/performance-journal.md).
+//
+// Compiled only where the build's -march enables AMX-TILE, AMX-BF16 and AVX-512F (-march=native on
+// such a CPU); elsewhere causal_attention raises and causal_attention_ready() is false. At run time
+// the CPU must also grant the tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM), checked once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "elementwise.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__linux__)
+#define SFCL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace sfcl {
+namespace {
+
+constexpr int64_t kHeadDim = 64;  // the only head size the tile layout below serves (2 k-steps of 32)
+constexpr int64_t kBlock = 32;    // queries per block and keys per step: two tiles of 16 rows
+constexpr int64_t kMaxT = 8192;   // a row of scores lives in a per-thread float32 buffer
+// Row stride of the per-thread score and numerator buffers: T rounded up to 32, plus kPad elements, so
+// that the 16 rows a tile store or load touches do not all fall in one L1 set (a 4 KiB stride does).
+constexpr int64_t kPad = 16;
+
+#ifdef SFCL_AMX
+// Tile configuration (palette 1): tiles 0-7 all 16 rows x 64 bytes (16 float32 or 32 bf16).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool tiles_granted() {
+  constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kXtiledata = 18;         // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+using bf16 = c10::BFloat16;
+
+// K of one (window, KV head) -> tiles of 16 keys x 32 dims, pair-interleaved: kp[(kb * 2 + s) * 512 +
+// r * 32 + n * 2 + p] = k[kb * 16 + n][s * 32 + 2 r + p]; keys >= T are zeros.
+void pack_k(const bf16* k, int64_t ks, int64_t T, int64_t Tp, bf16* kp) {
+  for (int64_t kb = 0; kb < Tp / 16; ++kb)
+    for (int64_t s = 0; s < 2; ++s) {
+      bf16* t = kp + (kb * 2 + s) * 512;
+      for (int64_t n = 0; n < 16; ++n) {
+        const int64_t j = kb * 16 + n;
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t p = 0; p < 2; ++p)
+            t[r * 32 + n * 2 + p] = j < T ? k[j * ks + s * 32 + 2 * r + p] : bf16(0.0f);
+      }
+    }
+}
+
+// V of one (window, KV head) -> tiles of 32 keys x 16 dims, pair-interleaved: vp[(kb * 4 + c) * 512 +
+// r * 32 + n * 2 + p] = v[kb * 32 + 2 r + p][c * 16 + n]; keys >= T are zeros.
+void pack_v(const bf16* v, int64_t vs, int64_t T, int64_t Tp, bf16* vp) {
+  for (int64_t kb = 0; kb < Tp / 32; ++kb)
+    for (int64_t c = 0; c < 4; ++c) {
+      bf16* t = vp + (kb * 4 + c) * 512;
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t p = 0; p < 2; ++p) {
+          const int64_t j = kb * 32 + 2 * r + p;
+          for (int64_t n = 0; n < 16; ++n) t[r * 32 + n * 2 + p] = j < T ? v[j * vs + c * 16 + n] : bf16(0.0f);
+        }
+    }
+}
+
+// Causal softmax numerators of query row i of a block: p[j] = bf16(exp(scale s[j] - max)) for
+// j <= i, 0 for i < j < width (width a multiple of 16, > i). Returns 1 / the float32 sum of the
+// numerators before rounding (as torch's flash attention for CPU normalises). exp in 16-lane
+// AVX-512 with fused multiply-adds: 2^n by scalef, e^r by its degree-4 Taylor polynomial on
+// |r| <= ln2 / 2 (relative error < 5e-5, below the bf16 rounding that follows, 2^-9).
+float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p) {
+  const int64_t n = i + 1, full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
+  const __m512 vs = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mul_ps(vs, _mm512_loadu_ps(s + j)));
+  if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(tail, s + full)));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const __m512 lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504f), ln2 = _mm512_set1_ps(0.693147181f);
+  const __m512 c4 = _mm512_set1_ps(1.0f / 24), c3 = _mm512_set1_ps(1.0f / 6), c2 = _mm512_set1_ps(0.5f),
+               one = _mm512_set1_ps(1.0f);
+  __m512 z = _mm512_setzero_ps();
+  auto step = [&](__m512 sv, __mmask16 m) {  // lanes m of exp(scale s - max) rounded to bf16, their sum into z; others 0
+    const __m512 x = _mm512_max_ps(_mm512_fmsub_ps(sv, vs, mx), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, ln2, x);
+    __m512 q = _mm512_fmadd_ps(c4, r, c3);
+    q = _mm512_fmadd_ps(q, r, c2);
+    q = _mm512_fmadd_ps(q, r, one);
+    q = _mm512_fmadd_ps(q, r, one);
+    const __m512 e = _mm512_scalef_ps(q, k);
+    z = _mm512_mask_add_ps(z, m, z, e);
+    return _mm256_maskz_mov_epi16(m, (__m256i)_mm512_cvtneps_pbh(e));
+  };
+  for (int64_t j = 0; j < full; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), step(_mm512_loadu_ps(s + j), 0xffff));
+  int64_t done = full;
+  if (tail) {  // the lanes past i are stored as zeros
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + full), step(_mm512_maskz_loadu_ps(tail, s + full), tail));
+    done = full + 16;
+  }
+  std::fill(p + done, p + width, bf16(0.0f));
+  return 1.0f / _mm512_reduce_add_ps(z);
+}
+
+// One (window, head, query block): rows i0 .. i0 + 31 of o.
+void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t T, int64_t i0, float scale,
+                  bf16* o, int64_t os, float* S, bf16* P, bf16* qpad, float* obuf) {
+  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
+  const int64_t kend = std::min(i0 + kBlock, Tp);  // keys the block's last row can attend, rounded up to 32
+  const int64_t rows = std::min(kBlock, T - i0);
+  const bf16* qa = q + i0 * qs;
+  int64_t qstride = qs;
+  if (rows < kBlock) {  // the window's last block: its rows past T read as zeros from a padded copy
+    std::fill(qpad, qpad + kBlock * kHeadDim, bf16(0.0f));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(qpad + r * kHeadDim, qa + r * qs, kHeadDim * sizeof(bf16));
+    qa = qpad;
+    qstride = kHeadDim;
+  }
+  const int64_t ss = Tp + kPad, qb = qstride * sizeof(bf16), sb = ss * sizeof(float);
+  // S (32, kend) = Q K^T
+  for (int64_t kb = 0; kb < kend / kBlock; ++kb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < 2; ++s) {
+      _tile_loadd(4, qa + s * 32, qb);
+      _tile_loadd(5, qa + 16 * qstride + s * 32, qb);
+      _tile_loadd(6, kp + ((2 * kb) * 2 + s) * 512, 64);
+      _tile_loadd(7, kp + ((2 * kb + 1) * 2 + s) * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* sk = S + kb * kBlock;
+    _tile_stored(0, sk, sb);
+    _tile_stored(1, sk + 16, sb);
+    _tile_stored(2, sk + 16 * ss, sb);
+    _tile_stored(3, sk + 16 * ss + 16, sb);
+  }
+  float inv[kBlock];
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const int64_t i = std::min(i0 + r, T - 1);  // rows past T: any finite row, never written out
+    inv[r] = softmax_row(S + r * ss, i, kend, scale, P + r * ss);
+  }
+  // O (32, 64) = P V, 16 rows at a time
+  const int64_t pb = ss * sizeof(bf16);
+  for (int64_t h = 0; h < 2; ++h) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < kend / kBlock; ++kb) {
+      const bf16* vt = vp + kb * 4 * 512;
+      _tile_loadd(4, P + h * 16 * ss + kb * kBlock, pb);
+      _tile_loadd(5, vt, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, vt + 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, vt + 1024, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, vt + 1536, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, obuf, kHeadDim * sizeof(float));
+    _tile_stored(1, obuf + 16, kHeadDim * sizeof(float));
+    _tile_stored(2, obuf + 32, kHeadDim * sizeof(float));
+    _tile_stored(3, obuf + 48, kHeadDim * sizeof(float));
+    for (int64_t r = 0; r < 16 && i0 + h * 16 + r < T; ++r) {
+      bf16* orow = o + (i0 + h * 16 + r) * os;
+      const float f = inv[h * 16 + r];
+#pragma omp simd
+      for (int64_t d = 0; d < kHeadDim; ++d) orow[d] = ew::from_f<bf16>(obuf[r * kHeadDim + d] * f);
+    }
+  }
+}
+#endif  // SFCL_AMX
+
+}  // namespace
+
+// Whether causal_attention can run here: built with AMX and the OS grants the tile state.
+bool causal_attention_ready() {
+#ifdef SFCL_AMX
+  static const bool ok = tiles_granted();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// q (n, T, nh, 64), k and v (n, T, nkv, 64): bf16 CPU tensors whose last dimension is contiguous,
+// nh a multiple of nkv, 1 <= T <= 8192. Returns o (n, T, nh, 64) bf16 contiguous: each window's
+// causal attention from its position 0, softmax of scale q . k. Raises (RuntimeError) where
+// causal_attention_ready() is false or for arguments that do not fit together.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(causal_attention_ready(), "causal_attention: needs a CPU with AMX-BF16 granted by the OS and a "
+              "kernel build with -march enabling it");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "causal_attention: CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "causal_attention: q, k, v must be bfloat16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "causal_attention: q (n, T, nh, hd), k and v (n, T, nkv, hd)");
+  const int64_t n = q.size(0), T = q.size(1), nh = q.size(2), nkv = k.size(2);
+  TORCH_CHECK(k.size(0) == n && k.size(1) == T && q.size(3) == kHeadDim && k.size(3) == kHeadDim,
+              "causal_attention: shapes ", q.sizes(), " and ", k.sizes(), " do not fit (head size must be 64)");
+  TORCH_CHECK(nkv >= 1 && nh % nkv == 0, "causal_attention: nh must be a multiple of nkv");
+  TORCH_CHECK(T >= 1 && T <= kMaxT, "causal_attention: 1 <= T <= ", kMaxT, ", got ", T);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: the head dimension must be contiguous");
+  at::Tensor o = at::empty({n, T, nh, kHeadDim}, q.options());
+#ifdef SFCL_AMX
+  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock, nb = Tp / kBlock, group = nh / nkv;
+  const int64_t tile_elems = Tp * kHeadDim;  // bf16 per packed K (or V) of one (window, KV head)
+  std::vector<bf16> kp(n * nkv * tile_elems), vp(n * nkv * tile_elems);
+  const bf16 *qd = q.data_ptr<bf16>(), *kd = k.data_ptr<bf16>(), *vd = v.data_ptr<bf16>();
+  at::parallel_for(0, n * nkv, 1, [&](int64_t a, int64_t b) {
+    for (int64_t x = a; x < b; ++x) {
+      const int64_t w = x / nkv, g = x % nkv;
+      pack_k(kd + w * k.stride(0) + g * k.stride(2), k.stride(1), T, Tp, kp.data() + x * tile_elems);
+      pack_v(vd + w * v.stride(0) + g * v.stride(2), v.stride(1), T, Tp, vp.data() + x * tile_elems);
+    }
+  });
+  bf16* od = o.data_ptr<bf16>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n * nh * nb, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> S(kBlock * (Tp + kPad)), obuf(16 * kHeadDim);
+    std::vector<bf16> P(kBlock * (Tp + kPad)), qpad(kBlock * kHeadDim);
+    load_tile_config();
+    for (int64_t x = a; x < b; ++x) {
+      const int64_t w = x / (nh * nb), h = x / nb % nh, blk = x % nb, g = h / group;
+      attend_block(qd + w * q.stride(0) + h * q.stride(2), q.stride(1), kp.data() + (w * nkv + g) * tile_elems,
+                   vp.data() + (w * nkv + g) * tile_elems, T, blk * kBlock, sc, od + w * T * nh * kHeadDim + h * kHeadDim,
+                   nh * kHeadDim, S.data(), P.data(), qpad.data(), obuf.data());
+    }
+    _tile_release();
+  });
+#endif
+  return o;
+}
+
+}  // namespace sfcl
+
+TORCH_LIBRARY_FRAGMENT(sfcl, m) {
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("causal_attention_ready() -> bool", &sfcl::causal_attention_ready);  // no tensor: a catch-all kernel
+}
+TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("causal_attention", &sfcl::causal_attention); }
