@@ -1,12 +1,13 @@
 """Time and profile the anchor builder's model pass (``sfcl.anchors.model_pass.run_windows``).
 
-Usage: python scripts/profile_model_pass.py [--windows 4] [--window-tokens 1024] [--reps 2] [--profile]
+Usage: python scripts/profile_model_pass.py [--windows 4 | --whole-corpus] [--window-tokens 1024] [--reps 2] [--profile]
        [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--attention both] [--ops]
        [--logit-rows 128,512]
 
 Runs the bundled model over ``--windows`` windows of the bundled sample corpus (or ``--corpus``, e.g.
 ``../shared/data/contractnli/dev.json``), prints the wall time
-per batch of windows against the floor the builder prints (FLOP of the pass / the GEMM rate probed
+per batch of windows (with ``--whole-corpus``: the builder's whole model pass over the corpus'
+documents, ``sfcl.anchors.builder.collect``, as ``sfcl anchors build`` runs it) against the floor the builder prints (FLOP of the pass / the GEMM rate probed
 now, ``sfcl.anchors.model_pass.gemm_rate``), and with ``--profile`` the torch.profiler table of the
 top operators by self CPU time (how the share of causal SDPA in the pass was found).
 ``--logit-stats both`` alternates the logits' reductions rep by rep between SFCL's one-pass kernel
@@ -25,7 +26,8 @@ causal SDPA. ``--logit-rows A,B`` alternates
 the snapshot layer's attention with its dispersion over one window (SFCL's weights and entropies against torch's
 eager softmax), then each
 element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
-and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it.
+and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it, and
+(where it runs) SFCL's AMX causal attention over those rows as windows of 1,024 against causal SDPA.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", nargs="*", help="corpus files (as `sfcl anchors build` takes them) whose text, "
                     "joined, gives the windows (default: the bundled sample corpus)")
     ap.add_argument("--logit-rows", default="", help="comma-separated LOGIT_ROWS values to alternate")
+    ap.add_argument("--whole-corpus", action="store_true", help="time the builder's whole model pass over the "
+                    "corpus' documents, windowed and batched as `sfcl anchors build` does (sfcl.anchors.builder.collect), "
+                    "instead of --windows consecutive windows")
     a = ap.parse_args(argv)
 
     from sfcl.anchors.corpus import read_corpus, sample_corpus_files
@@ -58,14 +63,17 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.model import decode_kernel, llama
     from sfcl.model.loader import load_model
 
+    from sfcl.anchors import builder
+
     lm = load_model(None, dtype="auto")
-    text = " ".join(d.text for d in read_corpus(a.corpus or sample_corpus_files()))
+    docs = read_corpus(a.corpus or sample_corpus_files())
+    text = " ".join(d.text for d in docs)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     W = a.window_tokens
     wins = [ids[i * W:(i + 1) * W] for i in range(a.windows)]
     if len(wins[-1]) < W:
         raise SystemExit(f"the corpus has fewer than {a.windows} windows of {W} tokens")
-    layer = lm.args.n_layers * 3 // 4
+    layer = builder.default_layer(lm.args.n_layers)
     if a.ops:
         _time_snapshot_attention(lm, W)
         _time_ops(lm, len(wins) * W)
@@ -94,16 +102,22 @@ def main(argv: list[str] | None = None) -> None:
                 model_pass.native_softmax = (lambda q: False) if sm == "torch" else native_softmax
                 model_pass.native_attention = (lambda q: False) if at == "torch" else native_attention
                 model_pass.LOGIT_ROWS = rows
-                t = time.perf_counter()
-                run_windows(lm.model, wins, layer, 8)
-                dt = time.perf_counter() - t
+                if a.whole_corpus:
+                    st = builder.collect(lm, docs, builder.BuildConfig(), layer, progress=False)[1]
+                    dt, floor, rate = st.seconds, st.floor_s, st.gemm_gflops
+                else:
+                    t = time.perf_counter()
+                    run_windows(lm.model, wins, layer, 8)
+                    dt = time.perf_counter() - t
                 on = native and ls == "native"
                 which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
                          + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
                          + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax") + ", "
                          + ("SFCL's AMX attention" if on and at == "native" and amx_here else "torch's SDPA")
                          + f", logits {rows} rows at a time")
-                print(f"{len(wins)} windows x {W} tokens ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+                what = (f"{len(docs)} documents, {st.tokens:,} tokens in {st.windows} windows" if a.whole_corpus
+                        else f"{len(wins)} windows x {W} tokens")
+                print(f"{what} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
                       f"threads, {which}): {dt:.2f} s; floor {floor:.2f} s at {rate:.0f} GFLOP/s -> {dt / floor:.2f}x",
                       flush=True)
     finally:
@@ -146,12 +160,25 @@ def _time_ops(lm, rows: int) -> None:
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
 
+    nw = rows // 1024 or 1  # the pass's windows: attention over nw windows of rows / nw tokens
+    Tw = rows // nw
+    aq = torch.randn(nw, Tw, ar.n_heads, hd, generator=g).to(dt)
+    ak, av = (torch.randn(nw, Tw, ar.n_kv_heads, hd, generator=g).to(dt) for _ in range(2))
+
+    def sdpa():  # as run_windows calls it, back in (rows, nh hd)
+        o = F.scaled_dot_product_attention(aq.transpose(1, 2), ak.transpose(1, 2), av.transpose(1, 2), is_causal=True,
+                                           enable_gqa=True)
+        return o.transpose(1, 2).reshape(rows, -1)
+
     cases = {
         "RMSNorm": (lambda: torch.ops.sfcl.rms_norm(x, w, eps), torch_rms),
         "SiLU x up": (lambda: torch.ops.sfcl.silu_mul(gu), lambda: F.silu(gu[:, :I]) * gu[:, I:]),
         "rotary": (lambda: torch.ops.sfcl.rope_(qkv, cos, sin, nr, hd),
                    lambda: apply_rope(qkv[:, :nr * hd].view(rows, nr, hd), cos[:, None], sin[:, None])),
     }
+    if dt == torch.bfloat16 and torch.ops.sfcl.causal_attention_ready():  # SFCL's AMX kernel against causal SDPA
+        cases[f"causal attention ({nw} windows)"] = (
+            lambda: torch.ops.sfcl.causal_attention(aq, ak, av, hd ** -0.5).view(rows, -1), sdpa)
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
