@@ -5,7 +5,9 @@ import pytest
 import torch
 from conftest import contractnli_docs
 
-from sfcl.anchors.builder import BuildConfig, build_library, calibration_prompts, library_cache_name
+from sfcl.anchors.builder import (MIN_CALIBRATION_WINDOW, BuildConfig, build_library, calibration_prompts,
+                                  library_cache_name)
+from sfcl.anchors.corpus import Document
 from sfcl.library.store import AnchorLibraryError
 from sfcl.library.versions import load_library
 from sfcl.snapshot.triggers import Calibration, TriggerConfig
@@ -98,3 +100,27 @@ def test_serving_signals_batched_prefill_equals_one_prompt_at_a_time(lm_fp32):
     np.testing.assert_allclose(together.token_logp, alone.token_logp, atol=1e-3)
     np.testing.assert_allclose(together.d3, alone.d3, atol=1e-4)
     assert (together.in_entity == alone.in_entity).all()
+
+
+def test_a_two_token_window_builds(lm, tmp_path):
+    """A document (or a document's tail) of 2 tokens is one window with one position: it has no
+    dispersion statistic (that averages 3 positions) and used to stop the build with avg_pool1d's
+    "Output size is too small"."""
+    two = Document("two", "Hello world", "two.txt")
+    assert len(lm.tokenizer(two.text, add_special_tokens=False)["input_ids"]) == 2
+    cfg = BuildConfig(n_anchors=32, max_points=300, window_tokens=256, calibration_prompts=0)
+    lib = load_library(build_library(lm, [two, *contractnli_docs(1)], tmp_path / "lib", cfg, progress=False))
+    assert lib.n_anchors == 32 and lib.calibration["dispersion_std"] > 0
+
+
+def test_windows_too_short_or_too_long_are_refused_with_the_reason(lm, tmp_path):
+    assert BuildConfig(window_tokens=MIN_CALIBRATION_WINDOW).window_tokens == MIN_CALIBRATION_WINDOW
+    with pytest.raises(ValueError, match=f">= {MIN_CALIBRATION_WINDOW}"):  # a full window gives no dispersion statistic
+        BuildConfig(window_tokens=MIN_CALIBRATION_WINDOW - 1)
+    with pytest.raises(ValueError, match="too short to calibrate"):  # every document under a window's minimum
+        build_library(lm, [Document("short", "The term is three years.", "short.txt")], tmp_path / "a",
+                      BuildConfig(n_anchors=4, calibration_prompts=0), progress=False)
+    ctx = lm.args.max_position_embeddings
+    with pytest.raises(ValueError, match=f"beyond the model's context of {ctx}"):
+        build_library(lm, contractnli_docs(1), tmp_path / "b", BuildConfig(window_tokens=ctx + 1), progress=False)
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())

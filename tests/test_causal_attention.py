@@ -71,12 +71,35 @@ def test_each_window_attends_from_its_own_start(amx):
     (lambda q, k, v: (q.float(), k.float(), v.float()), "bfloat16"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head size must be 64"),
     (lambda q, k, v: (q[:, :, :8], k[:, :, :3], v[:, :, :3]), "multiple of nkv"),
-    (lambda q, k, v: (q, k[:, :5], v[:, :5]), "do not fit"),
-    (lambda q, k, v: (q.transpose(2, 3), k, v), "do not fit|contiguous"),
+    (lambda q, k, v: (q[:, :, :0], k, v), "positive multiple of nkv"),
+    (lambda q, k, v: (q, k[:, :5], v[:, :5]), "differ in windows or tokens"),
+    (lambda q, k, v: (q.transpose(2, 3), k, v), "head size must be 64"),
+    (lambda q, k, v: (q.requires_grad_(), k, v), "no autograd"),
 ])
 def test_bad_input_is_refused(amx, bad, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.sfcl.causal_attention(*bad(*_qkv(1, 8, 9, 3, seed=1)), 0.125)
+
+
+@pytest.mark.parametrize("where", ("q", "k", "scale"))
+def test_nan_scores_make_their_rows_nan(amx, where):
+    """A NaN in q (one token), in k (one key) or as the scale: the rows whose scores hold it come out NaN,
+    as from torch's SDPA, and the others are untouched."""
+    q, k, v = (x.clone() for x in _qkv(1, 40, 9, 3, seed=3))
+    scale = float("nan") if where == "scale" else 0.125
+    if where == "q":
+        q[0, 7, 2] = float("nan")  # token 7, head 2
+    if where == "k":
+        k[0, 5, 1] = float("nan")  # key 5 of KV head 1: heads 3-5 of tokens >= 5
+    got = torch.ops.sfcl.causal_attention(q, k, v, scale).isnan().any(-1)[0]  # (T, nh) rows with a NaN
+    want = torch.zeros(40, 9, dtype=torch.bool)
+    if where == "q":
+        want[7, 2] = True
+    if where == "k":
+        want[5:, 3:6] = True
+    if where == "scale":
+        want[:] = True
+    assert torch.equal(got, want)
 
 
 def test_without_amx_it_says_so_and_the_builder_keeps_sdpa(kernel):

@@ -62,6 +62,9 @@ from sfcl.snapshot.triggers import LN2, attention_dispersion, dispersion_length_
 
 log = logging.getLogger("sfcl.anchors")
 SKIP_POSITIONS = 16  # first positions of a window have too little context to calibrate on
+# The shortest window whose statistics reach the library's calibration: past SKIP_POSITIONS, the
+# dispersion statistic averages 3 positions and needs one more after them.
+MIN_CALIBRATION_WINDOW = SKIP_POSITIONS + 3
 CALIBRATION_FORMAT = 3  # 2: per-length dispersion table + serving thresholds; 3: the thresholds leave the
 # unsupported_number trigger its share of the budget (part of the default library's cache name)
 # Instructions of the serving-calibration prompts (generic; not the benchmark's instructions).
@@ -100,8 +103,8 @@ class BuildConfig:
     def __post_init__(self) -> None:
         if self.n_anchors < 1:
             raise ValueError("n_anchors must be >= 1")
-        if self.window_tokens < SKIP_POSITIONS + 2:
-            raise ValueError(f"window_tokens must be >= {SKIP_POSITIONS + 2}")
+        if self.window_tokens < MIN_CALIBRATION_WINDOW:  # a full window must give a dispersion statistic
+            raise ValueError(f"window_tokens must be >= {MIN_CALIBRATION_WINDOW}")
         if self.batch_tokens < 1:
             raise ValueError("batch_tokens must be >= 1")
         if self.top_k_next < 1:
@@ -190,7 +193,7 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
     achieved rate and floor ratio after. Raises ValueError for a corpus without text."""
     windows = _windows(lm, docs, cfg)
     if not windows:
-        raise ValueError("the corpus has no text to build anchors from")
+        raise ValueError("the corpus has no text to build anchors from (no document of 2 tokens or more)")
     dtype = next(lm.model.parameters()).dtype
     if next(lm.model.parameters()).device.type == "cpu":
         decode_kernel.load(verbose=progress)  # the logits' reductions in one native pass (model_pass.logit_stats)
@@ -216,7 +219,8 @@ def collect(lm, docs: list[Document], cfg: BuildConfig, layer: int, progress: bo
                 DOC.append(np.full(T - 1, di, np.int32))
                 SS.append(np.asarray([w_offs[max(0, i - cfg.span_tokens)][0] for i in range(T - 1)], np.int32))
                 SE.append(np.asarray([w_offs[i + 1][1] for i in range(T - 1)], np.int32))
-                d3 = torch.nn.functional.avg_pool1d(o.dispersion[None, None], 3, stride=1)[0, 0]  # (T-2,) mean of i-2..i
+                d3 = (torch.nn.functional.avg_pool1d(o.dispersion[None, None], 3, stride=1)[0, 0] if T >= 3
+                      else o.dispersion[:0])  # (T-2,) mean of i-2..i
                 SUR.append(o.surprisal[SKIP_POSITIONS:].double().numpy())
                 D3.append(d3[SKIP_POSITIONS:].double().numpy())  # d3[j] averages disp[j..j+2]
                 NA.append(np.arange(SKIP_POSITIONS + 3, T + 1, dtype=np.int64))  # query j+2 attends j+3 positions
@@ -429,9 +433,16 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     layer = default_layer(lm.args.n_layers) if cfg.layer is None else cfg.layer
     if not 0 <= layer < lm.args.n_layers:
         raise ValueError(f"--layer {layer} is outside 0..{lm.args.n_layers - 1}")
+    if cfg.window_tokens > lm.args.max_position_embeddings:  # positions past the model's context: no meaning
+        raise ValueError(f"--window-tokens {cfg.window_tokens} is beyond the model's context of "
+                         f"{lm.args.max_position_embeddings} tokens")
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     col, stats = collect(lm, docs, cfg, layer, progress)
+    if col.d3.size < 2:  # the corpus statistics (triggers.Calibration) need a spread
+        raise ValueError(f"the corpus' documents are too short to calibrate on: a window needs at least "
+                         f"{MIN_CALIBRATION_WINDOW} tokens, and these give {col.d3.size} calibration "
+                         f"position(s) in all")
     n = col.hidden.shape[0]
     t0 = time.perf_counter()
     labels, cent = two_level_kmeans(col.hidden, min(cfg.n_anchors, n), cfg.seed, cfg.kmeans_iters, progress)

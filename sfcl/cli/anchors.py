@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
     b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
     b.add_argument("--window-tokens", type=int, default=1024,
-                   help="tokens per window (a position attends to the earlier tokens of its window)")
+                   help="tokens per window (a position attends to the earlier tokens of its window): at least 19, at "
+                        "most the model's context")
     b.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward: windows are batched up to this")
     b.add_argument("--max-points", type=int, default=None, help="stop after this many token positions")
     b.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")

@@ -83,7 +83,7 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "prefix-cache blocks (default: such rows read the shared positions once per group)")
     p.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="auto",
                    help="CPU decode: auto = SFCL's fused kernels, attention plus every layer of a decode-only step in "
-                        "one C++ call (compiled with the machine's C++ compiler on first use, ~40 s on 2 idle cores, cached in the "
+                        "one C++ call (compiled with the machine's C++ compiler on first use, ~1 min on 2 idle cores, cached in the "
                         "cache dir's kernels/; falls back to torch's operators when they cannot be built), "
                         "attention = the fused attention kernel only, torch = torch's operators")
     p.add_argument("--prefill-threads", type=int, default=None,

@@ -30,7 +30,7 @@ copies the cache's strided K and V views to contiguous memory before multiplying
 costs tens of microseconds of fixed overhead for a few microseconds of arithmetic.
 
 The sources are compiled once per machine kind with ``torch.utils.cpp_extension`` (g++, ``-O3
--march=native`` or ``$SFCL_KERNEL_MARCH``; ~40 s on 2 idle cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
+-march=native`` or ``$SFCL_KERNEL_MARCH``; ~1 min on 2 idle cores) into ``<cache dir>/kernels/<name>`` (``cache_root``), where ``<name>``
 hashes the sources, the compiler flags, torch's version and the CPU's flags, so a cache copied to
 a different CPU is rebuilt rather than run. No C++ compiler, or a failed build: ``load`` returns
 False, says why once on stderr, and attention stays on the eager torch path.
@@ -217,7 +217,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     if verbose:
         print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, "
               f"logit statistics, element-wise steps of prompt rows, attention entropy, prompt attention: {len(SOURCES)} files) with the C++ compiler "
-              "(once per machine kind, ~40 s on 2 idle cores) ...", file=sys.stderr, flush=True)
+              "(once per machine kind, ~1 min on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     t0 = time.perf_counter()
     done = threading.Event()

@@ -124,7 +124,9 @@ float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p
                one = _mm512_set1_ps(1.0f);
   __m512 z = _mm512_setzero_ps();
   auto step = [&](__m512 sv, __mmask16 m) {  // lanes m of exp(scale s - max) rounded to bf16, their sum into z; others 0
-    const __m512 x = _mm512_max_ps(_mm512_fmsub_ps(sv, vs, mx), lo);
+    // max(lo, x) keeps a NaN x (vmaxps returns its second operand when either is NaN), so a NaN score
+    // makes its row NaN, as in torch's SDPA, instead of a weight of e^-87
+    const __m512 x = _mm512_max_ps(lo, _mm512_fmsub_ps(sv, vs, mx));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(k, ln2, x);
     __m512 q = _mm512_fmadd_ps(c4, r, c3);
@@ -188,35 +190,36 @@ void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int
     const int64_t i = std::min(i0 + r, T - 1);  // rows past T: any finite row, never written out
     inv[r] = softmax_row(S + r * ss, i, kend, scale, P + r * ss);
   }
-  // O (32, 64) = P V, 16 rows at a time
-  const int64_t pb = ss * sizeof(bf16);
-  for (int64_t h = 0; h < 2; ++h) {
+  // O (32, 64) = P V, 16 output columns of both row halves at a time: per 32 keys, 2 P tiles and 2 V
+  // tiles feed 4 products
+  const int64_t pb = ss * sizeof(bf16), ob = kHeadDim * sizeof(float);
+  for (int64_t c = 0; c < 4; c += 2) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < kend / kBlock; ++kb) {
-      const bf16* vt = vp + kb * 4 * 512;
-      _tile_loadd(4, P + h * 16 * ss + kb * kBlock, pb);
-      _tile_loadd(5, vt, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, vt + 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, vt + 1024, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, vt + 1536, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      const bf16* vt = vp + (kb * 4 + c) * 512;
+      _tile_loadd(4, P + kb * kBlock, pb);
+      _tile_loadd(5, P + 16 * ss + kb * kBlock, pb);
+      _tile_loadd(6, vt, 64);
+      _tile_loadd(7, vt + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, obuf, kHeadDim * sizeof(float));
-    _tile_stored(1, obuf + 16, kHeadDim * sizeof(float));
-    _tile_stored(2, obuf + 32, kHeadDim * sizeof(float));
-    _tile_stored(3, obuf + 48, kHeadDim * sizeof(float));
-    for (int64_t r = 0; r < 16 && i0 + h * 16 + r < T; ++r) {
-      bf16* orow = o + (i0 + h * 16 + r) * os;
-      const float f = inv[h * 16 + r];
-#pragma omp simd
-      for (int64_t d = 0; d < kHeadDim; ++d) orow[d] = ew::from_f<bf16>(obuf[r * kHeadDim + d] * f);
-    }
+    _tile_stored(0, obuf + c * 16, ob);
+    _tile_stored(1, obuf + c * 16 + 16, ob);
+    _tile_stored(2, obuf + 16 * kHeadDim + c * 16, ob);
+    _tile_stored(3, obuf + 16 * kHeadDim + c * 16 + 16, ob);
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // o = O / Z, rounded to bf16
+    bf16* orow = o + (i0 + r) * os;
+    const __m512 f = _mm512_set1_ps(inv[r]);
+    for (int64_t d = 0; d < kHeadDim; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf + r * kHeadDim + d), f)));
   }
 }
 #endif  // SFCL_AMX
@@ -245,9 +248,14 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "causal_attention: q, k, v must be bfloat16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "causal_attention: q (n, T, nh, hd), k and v (n, T, nkv, hd)");
   const int64_t n = q.size(0), T = q.size(1), nh = q.size(2), nkv = k.size(2);
-  TORCH_CHECK(k.size(0) == n && k.size(1) == T && q.size(3) == kHeadDim && k.size(3) == kHeadDim,
-              "causal_attention: shapes ", q.sizes(), " and ", k.sizes(), " do not fit (head size must be 64)");
-  TORCH_CHECK(nkv >= 1 && nh % nkv == 0, "causal_attention: nh must be a multiple of nkv");
+  TORCH_CHECK(q.size(3) == kHeadDim && k.size(3) == kHeadDim, "causal_attention: the head size must be 64, got ",
+              q.size(3), " and ", k.size(3));
+  TORCH_CHECK(k.size(0) == n && k.size(1) == T, "causal_attention: q ", q.sizes(), " and k ", k.sizes(),
+              " differ in windows or tokens");
+  TORCH_CHECK(nkv >= 1 && nh >= 1 && nh % nkv == 0, "causal_attention: nh must be a positive multiple of nkv, got nh = ",
+              nh, ", nkv = ", nkv);
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()),
+              "causal_attention: no autograd; call it under torch.inference_mode() or torch.no_grad()");
   TORCH_CHECK(T >= 1, "causal_attention: windows of at least one token, got T = ", T);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: the head dimension must be contiguous");
   at::Tensor o = at::empty({n, T, nh, kHeadDim}, q.options());
@@ -266,7 +274,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   bf16* od = o.data_ptr<bf16>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * nh * nb, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> S(kBlock * (Tp + kPad)), obuf(16 * kHeadDim);
+    std::vector<float> S(kBlock * (Tp + kPad)), obuf(kBlock * kHeadDim);
     std::vector<bf16> P(kBlock * (Tp + kPad)), qpad(kBlock * kHeadDim);
     load_tile_config();
     for (int64_t x = a; x < b; ++x) {
