@@ -5,9 +5,10 @@
 //
 // with g(h) = h / (nh / nkv) (grouped-query attention). Per (window, head, block of 32 queries):
 // the block's scores against keys 0 .. its last row, S = Q K^T, by AMX tile products (bf16 in,
-// float32 accumulated); each row's causal softmax in float32 (sfcl::exp_nonpositive, ~1 ulp),
-// its exponentials rounded to bf16 and normalised after P V (as torch's flash attention for CPU
-// does: its P is rounded to the input dtype before the product with V); O = P V by tile products.
+// float32 accumulated); each row's causal softmax in float32 with AVX-512 (softmax_row: an exp of
+// fused multiply-adds, relative error < 5e-5), its exponentials rounded to bf16 and normalised after
+// P V (as torch's flash attention for CPU does: its P is rounded to the input dtype before the
+// product with V); O = P V by tile products.
 // K and V are first packed per (window, KV head) into the pair-interleaved ("VNNI") layout the
 // tile product reads its second operand in. A block is 32 rows x at most T keys, so the whole row
 // of scores fits a per-thread float32 buffer and no online rescaling is needed (32 x T float32 and
@@ -17,14 +18,12 @@
 // layers at ~12 ms per 4 windows x 1,024 tokens on 2 threads of an Intel Xeon with AMX, about 6x the
 // rate of the GEMM probe the build's floor is counted at (docs/performance-journal.md).
 //
-// Compiled only where the build's -march enables AMX-TILE, AMX-BF16 and AVX-512F (-march=native on
-// such a CPU); elsewhere causal_attention raises and causal_attention_ready() is false. At run time
+// Compiled only where the build's -march enables AMX-TILE, AMX-BF16 and AVX-512 BF16 / BW / VL
+// (-march=native on such a CPU); elsewhere causal_attention raises and causal_attention_ready() is false. At run time
 // the CPU must also grant the tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM), checked once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#include "elementwise.h"
 
 #include <algorithm>
 #include <cmath>
