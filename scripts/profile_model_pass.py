@@ -138,6 +138,7 @@ def _time_ops(lm, rows: int) -> None:
     """p50 of 30 calls of each element-wise step over ``rows`` rows: SFCL's operator vs torch's."""
     import torch.nn.functional as F
 
+    from sfcl.anchors.model_pass import windows_attention
     from sfcl.model import decode_kernel
     from sfcl.model.llama import apply_rope
 
@@ -165,11 +166,6 @@ def _time_ops(lm, rows: int) -> None:
     aq = torch.randn(nw, Tw, ar.n_heads, hd, generator=g).to(dt)
     ak, av = (torch.randn(nw, Tw, ar.n_kv_heads, hd, generator=g).to(dt) for _ in range(2))
 
-    def sdpa():  # as run_windows calls it, back in (rows, nh hd)
-        o = F.scaled_dot_product_attention(aq.transpose(1, 2), ak.transpose(1, 2), av.transpose(1, 2), is_causal=True,
-                                           enable_gqa=True)
-        return o.transpose(1, 2).reshape(rows, -1)
-
     cases = {
         "RMSNorm": (lambda: torch.ops.sfcl.rms_norm(x, w, eps), torch_rms),
         "SiLU x up": (lambda: torch.ops.sfcl.silu_mul(gu), lambda: F.silu(gu[:, :I]) * gu[:, I:]),
@@ -178,7 +174,7 @@ def _time_ops(lm, rows: int) -> None:
     }
     if dt == torch.bfloat16 and torch.ops.sfcl.causal_attention_ready():  # SFCL's AMX kernel against causal SDPA
         cases[f"causal attention ({nw} windows)"] = (
-            lambda: torch.ops.sfcl.causal_attention(aq, ak, av, hd ** -0.5).view(rows, -1), sdpa)
+            lambda: windows_attention(aq, ak, av, hd ** -0.5, True), lambda: windows_attention(aq, ak, av, hd ** -0.5, False))
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():

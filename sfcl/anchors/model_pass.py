@@ -107,6 +107,19 @@ def native_attention(q: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and torch.ops.sfcl.causal_attention_ready())
 
 
+def windows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, amx: bool) -> torch.Tensor:
+    """Causal attention of n windows of T tokens, each from its position 0: q (n, T, nh, hd), k and v
+    (n, T, nkv, hd) in the model's dtype; ``scale`` the layer's (1 / sqrt(hd), SDPA's default, which it
+    keeps). Returns (n T, nh hd): SFCL's AMX kernel where ``amx`` (:func:`native_attention`), torch's
+    causal SDPA (GQA) otherwise."""
+    n, T = q.shape[:2]
+    if amx:
+        return torch.ops.sfcl.causal_attention(q, k, v, scale).view(n * T, -1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=True)  # (n, nh, T, hd)
+    return o.transpose(1, 2).reshape(n * T, -1)
+
+
 def _snapshot_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """The snapshot layer's causal attention of one window from position 0, with its weights' dispersion.
     q (1, nh, T, hd), k/v (1, nkv, T, hd). Returns o (T, nh hd) and the dispersion (T,) float32 of
@@ -181,12 +194,7 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
             for a, n, T in runs:  # windows of one length: one causal attention call with the windows as its batch
                 b = a + n * T
                 qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]) for x in (q, k, v))  # (n, T, heads, hd)
-                if amx:
-                    outs.append(torch.ops.sfcl.causal_attention(qb, kb, vb, attn.scale).view(n * T, -1))  # (n T, nh hd)
-                    continue
-                qb, kb, vb = (x.transpose(1, 2) for x in (qb, kb, vb))  # (n, heads, T, hd)
-                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)  # (n, nh, T, hd)
-                outs.append(o.transpose(1, 2).reshape(n * T, -1))  # (n T, nh hd)
+                outs.append(windows_attention(qb, kb, vb, attn.scale, amx))  # (n T, nh hd)
         h = h + attn.o_proj(torch.cat(outs)[None])  # (1, N, H)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if i == tap_layer:

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "sfcl_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -118,7 +120,7 @@ float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p
   for (int64_t j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mul_ps(vs, _mm512_loadu_ps(s + j)));
   if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(tail, s + full)));
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  const __m512 lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504f), ln2 = _mm512_set1_ps(0.693147181f);
+  const __m512 lo = _mm512_set1_ps(sfcl::kExpMin), log2e = _mm512_set1_ps(sfcl::kLog2e), ln2 = _mm512_set1_ps(0.693147181f);
   const __m512 c4 = _mm512_set1_ps(1.0f / 24), c3 = _mm512_set1_ps(1.0f / 6), c2 = _mm512_set1_ps(0.5f),
                one = _mm512_set1_ps(1.0f);
   __m512 z = _mm512_setzero_ps();
