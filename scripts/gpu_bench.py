@@ -82,7 +82,6 @@ def build_sfcl(a: LlamaArgs, dev: torch.device, dtype: torch.dtype) -> LlamaMode
         torch.set_default_dtype(old)
     with torch.no_grad():  # keep activations in a sane range (speed does not depend on it)
         m.embed_tokens.weight.mul_(0.02)
-    m.inv_freq = m.inv_freq.float()
     return m.eval()
 
 

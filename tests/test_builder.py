@@ -77,7 +77,7 @@ def test_serving_calibration_in_the_manifest(lm, tmp_path):
     c0 = load_library(build_library(lm, docs, tmp_path / "b", BuildConfig(n_anchors=64, max_points=300,
                                     window_tokens=256, calibration_prompts=0), progress=False)).calibration
     assert "thresholds" not in c0 and c0["dispersion_by_length"]["source"] == "teacher-forced corpus positions"
-    assert library_cache_name("f" * 16, "c" * 16, 22, 64).endswith("-c3")  # old cached defaults get rebuilt
+    assert library_cache_name("f" * 16, "c" * 16, 22, 64).endswith("-c3-p2")  # old cached defaults get rebuilt
     with pytest.raises(ValueError):
         BuildConfig(calibration_target=1.5)
 

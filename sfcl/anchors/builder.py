@@ -67,6 +67,8 @@ SKIP_POSITIONS = 16  # first positions of a window have too little context to ca
 MIN_CALIBRATION_WINDOW = SKIP_POSITIONS + 3
 CALIBRATION_FORMAT = 3  # 2: per-length dispersion table + serving thresholds; 3: the thresholds leave the
 # unsupported_number trigger its share of the budget (part of the default library's cache name)
+MODEL_PASS_VERSION = 2  # 2: RoPE in float32 in every dtype (1: bf16 models rounded its frequencies to bf16;
+# part of the default library's cache name, so a library of the old hidden states is rebuilt)
 # Instructions of the serving-calibration prompts (generic; not the benchmark's instructions).
 CALIBRATION_INSTRUCTIONS = (
     "What does this passage say? Answer in a few sentences:",
@@ -494,7 +496,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
 
 
 def library_cache_name(fingerprint: str, chash: str, layer: int, n: int) -> str:
-    """Cache directory name of a default library; the calibration format is part of it, so a
-    library cached by an older SFCL is rebuilt with the current calibration."""
-    return f"{fingerprint[:12]}-{chash[:12]}-L{layer}-N{n}-c{CALIBRATION_FORMAT}"
+    """Cache directory name of a default library; the calibration format and the model pass's version
+    are part of it, so a library cached by an older SFCL is rebuilt with the current ones."""
+    return f"{fingerprint[:12]}-{chash[:12]}-L{layer}-N{n}-c{CALIBRATION_FORMAT}-p{MODEL_PASS_VERSION}"
 

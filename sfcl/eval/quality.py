@@ -15,25 +15,33 @@ NDA_QUESTIONS = ("How long do the confidentiality obligations last?", "Which law
 
 
 @torch.inference_mode()
-def teacher_forced(model, args, ids: list[int], chunk: int, layer: int = 0, kv_dtype: str = "auto",
-                   keep_taps: bool = False) -> tuple[float, int, torch.Tensor | None]:
+def token_nll(model, args, ids: list[int], chunk: int, layer: int = 0, kv_dtype: str = "auto",
+              keep_taps: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Feed ``ids`` in ``chunk``-token prefill chunks (every chunk after the first attends to the
-    *stored* KV, in ``kv_dtype``). Returns the summed next-token negative log-likelihood (nats),
-    the token count, and with ``keep_taps`` the hidden states after block ``layer``
-    ((len(ids) - 1, H) float32; else None)."""
+    *stored* KV, in ``kv_dtype``). Returns each position's next-token negative log-likelihood
+    ((len(ids) - 1,) float32 nats; position i predicts ids[i + 1]) and with ``keep_taps`` the hidden
+    states after block ``layer`` ((len(ids) - 1, H) float32; else None)."""
     kv = KVCache(args, 1, len(ids) + 16, model.embed_tokens.weight.dtype, kv_dtype=kv_dtype)
-    total, n, taps = 0.0, 0, []
+    nll, taps = [], []
     for a in range(0, len(ids) - 1, chunk):
         b = min(len(ids) - 1, a + chunk)
         out = model(torch.tensor([ids[a:b]]), AttnBatch(True, torch.tensor([0]), torch.arange(a, b), b), kv, layer,
                     all_positions=True, want_probs=False)
         logp = out.logits[0].float().log_softmax(-1)  # (T, V)
         tgt = torch.tensor(ids[a + 1:b + 1])
-        total -= float(logp.gather(1, tgt[:, None]).sum())
-        n += b - a
+        nll.append(-logp.gather(1, tgt[:, None])[:, 0])  # (T,)
         if keep_taps:
             taps.append(out.tap_hidden[0].float())  # (T, H)
-    return total, n, torch.cat(taps) if keep_taps else None
+    return torch.cat(nll), torch.cat(taps) if keep_taps else None
+
+
+def teacher_forced(model, args, ids: list[int], chunk: int, layer: int = 0, kv_dtype: str = "auto",
+                   keep_taps: bool = False) -> tuple[float, int, torch.Tensor | None]:
+    """:func:`token_nll` summed: the next-token negative log-likelihood of ``ids`` (nats), the token
+    count, and with ``keep_taps`` the hidden states after block ``layer`` ((len(ids) - 1, H) float32;
+    else None)."""
+    nll, taps = token_nll(model, args, ids, chunk, layer, kv_dtype, keep_taps)
+    return float(nll.double().sum()), nll.shape[0], taps
 
 
 def nda_prompts(tokenizer, docs, n: int, chars: int = 3000) -> list[list[int]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -424,6 +425,24 @@ class ForwardOut:
     tap_probs: torch.Tensor | None  # (B, nh, T_out, S) float32 snapshot-layer attention weights
 
 
+def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin (RoFormer, Su et al. 2021) for positions 0..n_positions-1: inv_freq
+    (hd/2,) float32 -> cos, sin (n_positions, hd/2) float32, each times ``scaling`` (the rope type's
+    attention scaling). The angles are float32 products position x inv_freq, as transformers computes
+    them; their cos and sin are taken in float64 by numpy and rounded to float32 (memory:
+    n_positions x hd x 4 bytes, 2 MiB for SmolLM2's 8,192 x 64).
+
+    Not torch's float32 ``cos``: on CPU it calls MKL's ``vsCos``, which in some processes (about 1 in
+    8 here, after an MKL GEMM on 1 thread and a return to 2 threads, as the start-up dtype probe does)
+    returns cos(1) = 0.5403335 for 0.5403023 on the main thread's share of the rows. That made two
+    anchor builds with one seed differ (Intel Xeon with AMX, torch 2.13.0+cpu, 2026-12-06)."""
+    freqs = torch.arange(n_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq.float().cpu()[None, :]  # (P, hd/2)
+    angles = freqs.double().numpy()
+    cos = torch.from_numpy(np.cos(angles)).float() * scaling
+    sin = torch.from_numpy(np.sin(angles)).float() * scaling
+    return cos, sin
+
+
 class LlamaModel(nn.Module):
     """Decoder with a slot-contiguous KV cache and a tap at one layer.
 
@@ -440,15 +459,36 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        # float32 masters on the CPU, restored after every .to() / .half() (see _apply)
+        inv = inv_freq.detach().to("cpu", torch.float32)
+        self._rope_master = (inv, *rope_tables(inv, attention_scaling, a.max_position_embeddings))
+        for name in ("inv_freq", "rope_cos", "rope_sin"):  # (hd/2,), (P, hd/2), (P, hd/2)
+            self.register_buffer(name, None, persistent=False)
+        self._place_rope()
+
+    def _place_rope(self) -> None:
+        """The rotary buffers: the float32 masters on the weights' device (on the CPU, the masters
+        themselves, no copy)."""
+        dev = self.embed_tokens.weight.device
+        for name, t in zip(("inv_freq", "rope_cos", "rope_sin"), self._rope_master):
+            setattr(self, name, t.to(dev))
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module.to(dtype)`` casts every floating buffer. The rotary frequencies and tables stay
+        float32 whatever the weights' dtype (in bf16, inv_freq would keep 8 bits: 0.69921875 for
+        0.69783, a phase error of 1.4 rad at position 1,000), on the weights' device."""
+        super()._apply(fn, recurse)
+        self._place_rope()
+        return self
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (...,) -> cos, sin_signed (..., 1, hd) broadcastable over heads; sin_signed
-        is ``cat(-sin, sin)`` of the half-split layout, what ``apply_rope`` multiplies by."""
-        freqs = positions.float()[..., None] * self.inv_freq  # (..., hd/2)
-        cos = (freqs.cos() * self.attention_scaling).to(dtype)
-        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        """positions (...,) int64, each < ``max_position_embeddings`` -> cos, sin_signed (..., 1, hd)
+        in ``dtype``, broadcastable over heads; sin_signed is ``cat(-sin, sin)`` of the half-split
+        layout, what ``apply_rope`` multiplies by. Rows of the float32 tables (:func:`rope_tables`).
+        Raises IndexError for a position past the tables."""
+        cos = self.rope_cos[positions].to(dtype)  # (..., hd/2)
+        sin = self.rope_sin[positions].to(dtype)
         return torch.cat((cos, cos), -1)[..., None, :], torch.cat((-sin, sin), -1)[..., None, :]
 
     @torch.inference_mode()

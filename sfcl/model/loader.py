@@ -172,7 +172,6 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
     model = LlamaModel(args, inv_freq, scaling)
     load_weights(model, state)
     model = model.to(device=device, dtype=dtype).eval()
-    model.inv_freq = model.inv_freq.float()
     if cache is not None and not (cache / "done").is_file():
         try:
             cache.mkdir(parents=True, exist_ok=True)
