@@ -74,3 +74,9 @@ def test_inject_refuses_another_model(nda_library, clauses):
     other = types.SimpleNamespace(fingerprint="0" * 64, name="other-model")
     with pytest.raises(AnchorLibraryError, match="built for model"):
         inject(nda_library, other, parse_clauses(clauses[0]), encoder=object(), progress=False)
+
+
+def test_clause_longer_than_the_models_context_is_refused(lm):
+    short = types.SimpleNamespace(tokenizer=lm.tokenizer, args=types.SimpleNamespace(max_position_embeddings=8))
+    with pytest.raises(ValueError, match="more than the model's context of 8"):
+        clause_anchor(short, "The Receiving Party shall hold the Confidential Information in strict confidence.", 22, 8)

@@ -124,3 +124,29 @@ def test_windows_too_short_or_too_long_are_refused_with_the_reason(lm, tmp_path)
     with pytest.raises(ValueError, match=f"beyond the model's context of {ctx}"):
         build_library(lm, contractnli_docs(1), tmp_path / "b", BuildConfig(window_tokens=ctx + 1), progress=False)
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def test_model_with_a_short_context_builds_with_its_calibration_prompts_cut_to_fit(shallow_model, tmp_path):
+    """A model whose context is shorter than the long calibration prompts (1,536 document tokens +
+    the chat template and question + the answer): the prompts are cut to leave room for the answer,
+    and the build finishes instead of running past the rotary tables."""
+    import dataclasses
+
+    from sfcl.anchors.corpus import read_corpus
+    from sfcl.model.llama import rope_tables
+
+    ctx = 600
+    lm = shallow_model(torch.float32)
+    args = dataclasses.replace(lm.args, max_position_embeddings=ctx)
+    lm.model.a = args
+    lm = dataclasses.replace(lm, args=args)
+    m = lm.model  # what a 600-token model's constructor gives: tables for positions 0..599
+    m._rope_master = (m.inv_freq, *rope_tables(m.inv_freq, m.attention_scaling, ctx))
+    m._place_rope()
+    docs = contractnli_docs(2)
+    cfg = BuildConfig(n_anchors=64, max_points=300, window_tokens=256, calibration_prompts=6)
+    prompts = calibration_prompts(lm, docs, cfg)
+    assert len(prompts) == 6 and max(len(p) for p in prompts) <= ctx - cfg.calibration_tokens
+    assert max(len(p) for p in prompts) > ctx - cfg.calibration_tokens - 16  # the long ones: cut to the limit
+    lib = load_library(build_library(lm, docs, tmp_path / "lib", cfg, progress=False))
+    assert lib.n_anchors == 64 and lib.calibration["threshold_calibration"]["prompts"] == 6

@@ -1,6 +1,10 @@
 """sfcl.eval.quality: greedy agreement arithmetic (the quality scripts' shared helpers)."""
 
-from sfcl.eval.quality import greedy_agreement
+import types
+
+import pytest
+
+from sfcl.eval.quality import greedy_agreement, token_nll
 
 
 def _tok(text):  # one token per character
@@ -11,3 +15,9 @@ def test_greedy_agreement_counts_the_common_prefix_and_identical_answers():
     g = greedy_agreement(_tok, ["abcd", "xyz"], ["abXd", "xyz"])
     assert g == {"prompts": 2, "prefix_agreement": (2 + 3) / (4 + 3), "identical_answers": 0.5}
     assert greedy_agreement(_tok, ["ab"], ["cd"])["prefix_agreement"] == 0.0
+
+
+def test_token_nll_refuses_positions_past_the_models_context():
+    args = types.SimpleNamespace(max_position_embeddings=4)
+    with pytest.raises(ValueError, match="more than the model's context of 4"):
+        token_nll(None, args, [1, 2, 3, 4, 5, 6], chunk=2)  # 5 positions predicted, 4 in the context

@@ -92,12 +92,13 @@ def test_overlapped_lookups_give_the_same_snapshots_after_their_tokens(lm, nda_l
         text = ["".join(e.text for e in ev[rid] if isinstance(e, TextDelta)) for ev in (ev_s, ev_o)]
         assert text[0] and text[0] == text[1]
         snaps = [[view(e) for e in ev[rid] if isinstance(e, SnapshotEvent)] for ev in (ev_s, ev_o)]
-        assert snaps[0] and snaps[0] == snaps[1]  # same rows per search: the same numbers, bit for bit
+        assert snaps[0] == snaps[1]  # same rows per search: the same numbers, bit for bit
         assert [e.snapshot_summary for e in ev_s[rid] if isinstance(e, Finished)] == \
                [e.snapshot_summary for e in ev_o[rid] if isinstance(e, Finished)]
         assert isinstance(ev_o[rid][0], Started) and isinstance(ev_o[rid][-1], Finished)
         assert order_ok(ev_s[rid], after=False) and order_ok(ev_o[rid], after=True)
-        assert not order_ok(ev_o[rid], after=False)  # the check can tell the two orders apart
+        if snaps[0]:  # the triggered request fires on few of its 16 tokens, maybe none (calibrated to ~1 in 16)
+            assert not order_ok(ev_o[rid], after=False)  # the check can tell the two orders apart
     assert look_s == look_o == sum(1 for ev in ev_o.values() for e in ev if isinstance(e, SnapshotEvent))
     assert len([e for e in ev_o["r1"] if isinstance(e, SnapshotEvent)]) == 16  # always: the last one too
 

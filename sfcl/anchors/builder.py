@@ -301,21 +301,31 @@ def calibration_prompts(lm, docs: list[Document], cfg: BuildConfig) -> list[list
     """Chat-format prompt token ids for the serving calibration (deterministic): a sixth of
     ``calibration_prompts`` long ones (a document's text cut to ``calibration_long_tokens`` + a
     question, one per document) and short ones (an instruction + one paragraph, paragraphs spread
-    over the corpus)."""
+    over the corpus). Each prompt leaves ``calibration_tokens`` of the model's context for its answer:
+    a longer one has its text cut further; one that cannot fit even with no text is left out."""
     tok = lm.tokenizer
     n_long = min(len(docs), max(1, cfg.calibration_prompts // 6))
-    texts = []
+    parts = []  # (text, its prefix, its suffix)
     for d in docs[:n_long]:
         ids = tok(d.text, add_special_tokens=False)["input_ids"][: cfg.calibration_long_tokens]
-        texts.append(f"{tok.decode(ids)}\n\n{CALIBRATION_QUESTION}")
-    n_short = max(0, cfg.calibration_prompts - len(texts))
+        parts.append((tok.decode(ids), "", f"\n\n{CALIBRATION_QUESTION}"))
+    n_short = max(0, cfg.calibration_prompts - len(parts))
     shorts = [p for d in docs for p in _paragraphs(d.text)]
     shorts = shorts[:: max(1, len(shorts) // max(1, n_short))][:n_short]  # spread over the corpus
-    texts += [f"{CALIBRATION_INSTRUCTIONS[i % len(CALIBRATION_INSTRUCTIONS)]}\n\n{p}" for i, p in enumerate(shorts)]
+    parts += [(p, f"{CALIBRATION_INSTRUCTIONS[i % len(CALIBRATION_INSTRUCTIONS)]}\n\n", "") for i, p in enumerate(shorts)]
+    limit = lm.args.max_position_embeddings - cfg.calibration_tokens  # prompt tokens at most
     out = []
-    for t in texts[: cfg.calibration_prompts]:
-        rendered = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-        out.append(list(tok(rendered, add_special_tokens=False)["input_ids"]))
+    for text, head, tail in parts[: cfg.calibration_prompts]:
+        for _ in range(8):  # a cut text may tokenise a little longer: check again, a few times at most
+            rendered = tok.apply_chat_template([{"role": "user", "content": f"{head}{text}{tail}"}], tokenize=False,
+                                               add_generation_prompt=True)
+            prompt = list(tok(rendered, add_special_tokens=False)["input_ids"])
+            if len(prompt) <= limit or not text:
+                break
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            text = tok.decode(ids[: max(0, len(ids) - (len(prompt) - limit))])  # cut by the excess, check again
+        if len(prompt) <= limit:
+            out.append(prompt)
     return out
 
 
@@ -485,6 +495,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
         span_end=torch.from_numpy(col.span_end[r].astype(np.int64)), span_texts=span_texts,
         doc_ids=[d.doc_id for d in docs], model_fingerprint=lm.fingerprint, model_name=lm.name, layer=layer,
         build={**asdict(cfg), "layer": layer, "n_points": int(n), "n_docs": len(docs),
+               "model_pass_version": MODEL_PASS_VERSION,
                "clustering": "identity" if len(idx) == n else "two-level spherical k-means",
                "model_pass": {**asdict(stats), "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
                               "threads": torch.get_num_threads()},

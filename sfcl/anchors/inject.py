@@ -126,13 +126,17 @@ def dedupe(emb: torch.Tensor, threshold: float, existing: torch.Tensor | None = 
 @torch.inference_mode()
 def clause_anchor(lm, text: str, layer: int, top_k: int) -> dict:
     """Anchor of one clause (module docstring, rule 3): {"vector" (H,) f32 unit, "count" 1,
-    "next_ids" (K,) i64, "next_probs" (K,) f32}. Raises ValueError for text with no tokens."""
+    "next_ids" (K,) i64, "next_probs" (K,) f32}. Raises ValueError for text with no tokens or more than the model's
+    context."""
     from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
 
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"clause {text[:40]!r} has no tokens")
+    if len(ids) > lm.args.max_position_embeddings:
+        raise ValueError(f"clause {text[:40]!r} has {len(ids)} tokens, more than the model's context of "
+                         f"{lm.args.max_position_embeddings}")
     params = next(lm.model.parameters())
     T = len(ids)
     kv = KVCache(lm.args, 1, T, params.dtype, str(params.device))

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
                         "(the build becomes its next version)")
     b.add_argument("--n-anchors", type=int, default=32768, help="anchors at most")
     b.add_argument("--layer", type=int, default=None, help="snapshot layer (default: 3/4 of the depth)")
-    b.add_argument("--seed", type=int, default=0, help="clustering seed (same seed, same library)")
+    b.add_argument("--seed", type=int, default=0, help="clustering seed (same corpus, model, dtype, --threads and seed: the same library)")
     # 19: sfcl.anchors.builder.MIN_CALIBRATION_WINDOW, which BuildConfig checks (not imported here: torch)
     b.add_argument("--window-tokens", type=int, default=1024,
                    help="tokens per window (a position attends to the earlier tokens of its window): at least 19, at "

@@ -425,21 +425,29 @@ class ForwardOut:
     tap_probs: torch.Tensor | None  # (B, nh, T_out, S) float32 snapshot-layer attention weights
 
 
+ROPE_BLOCK = 65536  # positions per block of rope_tables' float64 temporaries
+
+
 def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE's cos and sin (RoFormer, Su et al. 2021) for positions 0..n_positions-1: inv_freq
     (hd/2,) float32 -> cos, sin (n_positions, hd/2) float32, each times ``scaling`` (the rope type's
     attention scaling). The angles are float32 products position x inv_freq, as transformers computes
     them; their cos and sin are taken in float64 by numpy and rounded to float32 (memory:
-    n_positions x hd x 4 bytes, 2 MiB for SmolLM2's 8,192 x 64).
+    n_positions x hd x 4 bytes: 2 MiB for SmolLM2's 8,192 x 64, 64 MiB for a 131,072-token context
+    at head size 128; on a GPU the CPU masters stay besides the device copy).
 
     Not torch's float32 ``cos``: on CPU it calls MKL's ``vsCos``, which in some processes (about 1 in
     8 here, after an MKL GEMM on 1 thread and a return to 2 threads, as the start-up dtype probe does)
     returns cos(1) = 0.5403335 for 0.5403023 on the main thread's share of the rows. That made two
     anchor builds with one seed differ (Intel Xeon with AMX, torch 2.13.0+cpu, 2026-12-06)."""
-    freqs = torch.arange(n_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq.float().cpu()[None, :]  # (P, hd/2)
-    angles = freqs.double().numpy()
-    cos = torch.from_numpy(np.cos(angles)).float() * scaling
-    sin = torch.from_numpy(np.sin(angles)).float() * scaling
+    inv = inv_freq.float().cpu()[None, :]  # (1, hd/2)
+    cos = torch.empty(n_positions, inv.shape[1])
+    sin = torch.empty(n_positions, inv.shape[1])
+    for a in range(0, n_positions, ROPE_BLOCK):  # float64 temporaries of one block at a time
+        b = min(n_positions, a + ROPE_BLOCK)
+        angles = (torch.arange(a, b, dtype=torch.float32, device="cpu")[:, None] * inv).double().numpy()  # (n, hd/2)
+        cos[a:b] = torch.from_numpy(np.cos(angles)).float() * scaling
+        sin[a:b] = torch.from_numpy(np.sin(angles)).float() * scaling
     return cos, sin
 
 
@@ -483,10 +491,12 @@ class LlamaModel(nn.Module):
         return self
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (...,) int64, each < ``max_position_embeddings`` -> cos, sin_signed (..., 1, hd)
+        """positions (...,) int64 in [0, ``max_position_embeddings``) -> cos, sin_signed (..., 1, hd)
         in ``dtype``, broadcastable over heads; sin_signed is ``cat(-sin, sin)`` of the half-split
         layout, what ``apply_rope`` multiplies by. Rows of the float32 tables (:func:`rope_tables`).
-        Raises IndexError for a position past the tables."""
+        A position past the tables raises IndexError in eager CPU code (a RuntimeError when compiled,
+        a device-side assert on CUDA); callers keep positions inside the model's context (the
+        engine's ``max_model_len``, the builder's windows and calibration prompts)."""
         cos = self.rope_cos[positions].to(dtype)  # (..., hd/2)
         sin = self.rope_sin[positions].to(dtype)
         return torch.cat((cos, cos), -1)[..., None, :], torch.cat((-sin, sin), -1)[..., None, :]
