@@ -47,3 +47,16 @@ def test_rope_layout_and_range():
     assert torch.allclose(cos[0, 0, 0, :8].double(), torch.cos(3 * INV.double()), atol=1e-6)
     with pytest.raises(IndexError):
         m.rope(torch.tensor([TINY.max_position_embeddings]), torch.float32)  # past the model's context
+
+
+def test_model_built_under_16_bit_defaults_keeps_float32_tables():
+    """As scripts/gpu_bench.py builds its model: default dtype bf16 (and the target device)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        m = LlamaModel(TINY, INV)
+    finally:
+        torch.set_default_dtype(old)
+    assert m.embed_tokens.weight.dtype == torch.bfloat16
+    assert m.rope_cos.dtype == m.rope_sin.dtype == m.inv_freq.dtype == torch.float32
+    assert torch.equal(m.rope_cos, LlamaModel(TINY, INV).rope_cos)

@@ -441,8 +441,8 @@ def rope_tables(inv_freq: torch.Tensor, scaling: float, n_positions: int) -> tup
     returns cos(1) = 0.5403335 for 0.5403023 on the main thread's share of the rows. That made two
     anchor builds with one seed differ (Intel Xeon with AMX, torch 2.13.0+cpu, 2026-12-06)."""
     inv = inv_freq.float().cpu()[None, :]  # (1, hd/2)
-    cos = torch.empty(n_positions, inv.shape[1])
-    sin = torch.empty(n_positions, inv.shape[1])
+    cos = torch.empty(n_positions, inv.shape[1], dtype=torch.float32, device="cpu")  # whatever the defaults
+    sin = torch.empty_like(cos)
     for a in range(0, n_positions, ROPE_BLOCK):  # float64 temporaries of one block at a time
         b = min(n_positions, a + ROPE_BLOCK)
         angles = (torch.arange(a, b, dtype=torch.float32, device="cpu")[:, None] * inv).double().numpy()  # (n, hd/2)
