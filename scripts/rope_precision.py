@@ -29,16 +29,13 @@ from sfcl.config import contractnli_path, default_cache_dir
 from sfcl.eval import stats
 from sfcl.eval.quality import token_nll
 from sfcl.model.loader import load_model
-from sfcl.model.llama import rope_tables
 
 BANDS = ((0, 256), (256, 1024), (1024, 2048), (2048, 1 << 30))
 
 
 def rounded_rope(model) -> None:
     """Give ``model`` the rotary tables of its frequencies rounded to bf16 (the old behaviour)."""
-    inv = model.inv_freq.to(torch.bfloat16).float()
-    model._rope_master = (inv, *rope_tables(inv, model.attention_scaling, model.a.max_position_embeddings))
-    model._place_rope()
+    model.set_rope(model.inv_freq.to(torch.bfloat16).float(), model.a.max_position_embeddings)
 
 
 def main() -> int:

@@ -132,17 +132,13 @@ def test_model_with_a_short_context_builds_with_its_calibration_prompts_cut_to_f
     and the build finishes instead of running past the rotary tables."""
     import dataclasses
 
-    from sfcl.anchors.corpus import read_corpus
-    from sfcl.model.llama import rope_tables
-
     ctx = 600
     lm = shallow_model(torch.float32)
     args = dataclasses.replace(lm.args, max_position_embeddings=ctx)
     lm.model.a = args
     lm = dataclasses.replace(lm, args=args)
     m = lm.model  # what a 600-token model's constructor gives: tables for positions 0..599
-    m._rope_master = (m.inv_freq, *rope_tables(m.inv_freq, m.attention_scaling, ctx))
-    m._place_rope()
+    m.set_rope(m.inv_freq, ctx)
     docs = contractnli_docs(2)
     cfg = BuildConfig(n_anchors=64, max_points=300, window_tokens=256, calibration_prompts=6)
     prompts = calibration_prompts(lm, docs, cfg)

@@ -468,11 +468,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.attention_scaling = attention_scaling
-        # float32 masters on the CPU, restored after every .to() / .half() (see _apply)
-        inv = inv_freq.detach().to("cpu", torch.float32)
-        self._rope_master = (inv, *rope_tables(inv, attention_scaling, a.max_position_embeddings))
         for name in ("inv_freq", "rope_cos", "rope_sin"):  # (hd/2,), (P, hd/2), (P, hd/2)
             self.register_buffer(name, None, persistent=False)
+        self.set_rope(inv_freq, a.max_position_embeddings)
+
+    def set_rope(self, inv_freq: torch.Tensor, n_positions: int) -> None:
+        """Rotary frequencies inv_freq (hd/2,) and their tables for positions 0..n_positions-1
+        (:func:`rope_tables`, this model's attention scaling): float32 masters on the CPU, restored
+        after every .to() / .half() (see _apply), placed on the weights' device."""
+        inv = inv_freq.detach().to("cpu", torch.float32)
+        self._rope_master = (inv, *rope_tables(inv, self.attention_scaling, n_positions))
         self._place_rope()
 
     def _place_rope(self) -> None:
