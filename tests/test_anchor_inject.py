@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -77,6 +78,6 @@ def test_inject_refuses_another_model(nda_library, clauses):
 
 
 def test_clause_longer_than_the_models_context_is_refused(lm):
-    short = types.SimpleNamespace(tokenizer=lm.tokenizer, args=types.SimpleNamespace(max_position_embeddings=8))
+    short = types.SimpleNamespace(tokenizer=lm.tokenizer, args=dataclasses.replace(lm.args, max_position_embeddings=8))
     with pytest.raises(ValueError, match="more than the model's context of 8"):
         clause_anchor(short, "The Receiving Party shall hold the Confidential Information in strict confidence.", 22, 8)

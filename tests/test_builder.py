@@ -121,7 +121,7 @@ def test_windows_too_short_or_too_long_are_refused_with_the_reason(lm, tmp_path)
         build_library(lm, [Document("short", "The term is three years.", "short.txt")], tmp_path / "a",
                       BuildConfig(n_anchors=4, calibration_prompts=0), progress=False)
     ctx = lm.args.max_position_embeddings
-    with pytest.raises(ValueError, match=f"beyond the model's context of {ctx}"):
+    with pytest.raises(ValueError, match=f"more than the model's context of {ctx}"):
         build_library(lm, contractnli_docs(1), tmp_path / "b", BuildConfig(window_tokens=ctx + 1), progress=False)
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sfcl.model.kv_cache import KVCache
-from sfcl.model.llama import AttnBatch
+from sfcl.model.llama import AttnBatch, LlamaArgs
 from sfcl.model.loader import ModelLoadError, load_model, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -40,6 +40,14 @@ def test_matches_transformers_logits_hidden_and_attention(fp32):
     o2 = fp32.model(nxt, AttnBatch(False, torch.tensor([1]), torch.tensor([T]), T + 1, mask, (1, 2)), kv, layer)
     assert torch.allclose(o2.logits[0], ref2.logits[0, -1], atol=2e-3)
     assert torch.allclose(o2.tap_probs[0, :, 0], ref2.attentions[layer][0, :, -1], atol=1e-4)
+
+
+def test_check_positions_allows_the_whole_context_and_names_what_passes_it():
+    args = LlamaArgs("llama", 32, 8, 16, 1, 2, 1, 4, 1e-5, max_position_embeddings=16, tie_word_embeddings=True,
+                     attention_bias=False, qk_norm=False)
+    args.check_positions(16, "a window")  # positions 0..15: the whole context
+    with pytest.raises(ValueError, match="^a window: 17 positions, more than the model's context of 16 tokens$"):
+        args.check_positions(17, "a window")
 
 
 def test_model_errors_are_clear(tmp_path):

@@ -107,3 +107,42 @@ def test_a_non_streaming_client_that_leaves_is_aborted_within_the_disconnect_pol
         httpx.post(url + "/v1/messages", json=body, timeout=0.3)
     assert _last_line(request_lines)["status"] == 499
     assert eng.requests[0].generated < 125, eng.requests[0].generated
+
+
+def test_openai_lines_add_the_finish_reason_the_client_received(serve, request_lines):
+    """``stop_reason`` is the engine's (Anthropic's names) on both routes; an OpenAI line adds the
+    ``finish_reason`` its client got, streamed or not; an Anthropic line has none."""
+    url, _ = serve(FakeEngine(reply="word " * 50))
+    body = {"model": "default", "max_tokens": 3, "messages": USER}
+    got = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
+    assert got["choices"][0]["finish_reason"] == "length"
+    with httpx.Client(timeout=10) as c, c.stream("POST", url + "/v1/chat/completions",
+                                                 json={**body, "stream": True}) as r:
+        frames = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert [f["choices"][0]["finish_reason"] for f in frames if f["choices"]][-1] == "length"
+    httpx.post(url + "/v1/messages", json=body, timeout=10)
+    deadline = time.monotonic() + 10
+    while len(request_lines) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    by_route = [(line["route"], line["stream"], line["stop_reason"], line.get("finish_reason")) for line in request_lines]
+    assert by_route == [("/v1/chat/completions", False, "max_tokens", "length"),
+                        ("/v1/chat/completions", True, "max_tokens", "length"),
+                        ("/v1/messages", False, "max_tokens", None)], request_lines
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_requests_log_the_message_the_client_got(serve, request_lines, stream):
+    """``error`` is the type in the route's names, ``error_message`` the message sent: for an HTTP
+    error (an unknown model) and for an engine error mid-generation."""
+    url, _ = serve(FakeEngine(reply="word " * 50, error_after=2, error_message="scripted engine failure"))
+    body = {"model": "no-such-model", "max_tokens": 8, "messages": USER, "stream": stream}
+    r = httpx.post(url + "/v1/messages", json=body, timeout=10)
+    assert r.status_code == 404
+    sent = r.json()["error"]["message"]
+    line = _last_line(request_lines)
+    assert (line["status"], line["error"], line["error_message"]) == (404, "not_found_error", sent)
+    request_lines.clear()
+    httpx.post(url + "/v1/chat/completions", json={**body, "model": "default"}, timeout=10)
+    line = _last_line(request_lines)
+    assert line["error_message"] == "scripted engine failure" and line["error"], line
+    assert line["stop_reason"] is None and "finish_reason" not in line

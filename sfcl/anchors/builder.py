@@ -445,9 +445,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     layer = default_layer(lm.args.n_layers) if cfg.layer is None else cfg.layer
     if not 0 <= layer < lm.args.n_layers:
         raise ValueError(f"--layer {layer} is outside 0..{lm.args.n_layers - 1}")
-    if cfg.window_tokens > lm.args.max_position_embeddings:  # positions past the model's context: no meaning
-        raise ValueError(f"--window-tokens {cfg.window_tokens} is beyond the model's context of "
-                         f"{lm.args.max_position_embeddings} tokens")
+    lm.args.check_positions(cfg.window_tokens, f"--window-tokens {cfg.window_tokens}")
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     col, stats = collect(lm, docs, cfg, layer, progress)

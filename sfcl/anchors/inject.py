@@ -134,9 +134,7 @@ def clause_anchor(lm, text: str, layer: int, top_k: int) -> dict:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"clause {text[:40]!r} has no tokens")
-    if len(ids) > lm.args.max_position_embeddings:
-        raise ValueError(f"clause {text[:40]!r} has {len(ids)} tokens, more than the model's context of "
-                         f"{lm.args.max_position_embeddings}")
+    lm.args.check_positions(len(ids), f"clause {text[:40]!r}")
     params = next(lm.model.parameters())
     T = len(ids)
     kv = KVCache(lm.args, 1, T, params.dtype, str(params.device))

@@ -47,6 +47,16 @@ class LlamaArgs:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
+    def check_positions(self, n_positions: int, what: str) -> None:
+        """Raise ValueError, naming ``what``, when ``n_positions`` positions (0 to n_positions - 1)
+        do not fit the model's context (``max_position_embeddings``): past it the rotary tables end
+        (``LlamaModel.rope``) and the model was never trained there. The one check for every caller
+        that feeds the model a text of its own choosing (the anchor builder's windows, a clause
+        anchor, a teacher-forced text); the engine bounds requests by ``max_model_len`` instead."""
+        if n_positions > self.max_position_embeddings:
+            raise ValueError(f"{what}: {n_positions} positions, more than the model's context of "
+                             f"{self.max_position_embeddings} tokens")
+
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Eager decode attention over a 16-bit KV cache runs in float32 (K and V upcast per step) when the

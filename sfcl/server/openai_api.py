@@ -34,6 +34,11 @@ ROUTE = "/v1/chat/completions"
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length"}
 
 
+def openai_finish_reason(stop_reason: str | None) -> str:
+    """OpenAI's ``finish_reason`` for the engine's ``stop_reason`` (Anthropic's names)."""
+    return FINISH_REASONS.get(stop_reason, "stop")
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -167,7 +172,7 @@ class ChunkFraming(Framing):
         return self._chunk({}, sfcl_snapshot=snapshot_dict(ev))
 
     def finish(self, ev: Finished) -> list[ServerSentEvent]:
-        frames = [self._chunk({}, FINISH_REASONS.get(ev.stop_reason, "stop"),
+        frames = [self._chunk({}, openai_finish_reason(ev.stop_reason),
                               sfcl={"snapshots": jsonable(ev.snapshot_summary)})]
         if self.include_usage:
             frames.append(data_event({**self.base, "choices": [],
@@ -190,6 +195,9 @@ class ChatCompletionsApi(ApiAdapter):
     def error_name(self, e: ApiError) -> str:
         return e.code or e.openai_type or openai_type_for(e.status)
 
+    def finish_name(self, stop_reason: str) -> str | None:
+        return openai_finish_reason(stop_reason)
+
     def prepare(self, req: ChatCompletionRequest) -> Prompt:
         check_neutral(req, NEUTRAL)
         messages = to_engine_messages(req)
@@ -208,7 +216,7 @@ class ChatCompletionsApi(ApiAdapter):
         return {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": got.text, "refusal": None},
-                         "logprobs": None, "finish_reason": FINISH_REASONS.get(fin.stop_reason, "stop")}],
+                         "logprobs": None, "finish_reason": openai_finish_reason(fin.stop_reason)}],
             "usage": _usage(prompt_tokens, fin.completion_tokens),
             "sfcl": {"snapshots": jsonable(fin.snapshot_summary), "snapshot_events": got.snapshots},
         }

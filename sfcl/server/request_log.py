@@ -2,9 +2,14 @@
 
 Diagnostics (``[ANCHOR]``, ``[ENGINE]`` ...) go to stderr; stdout carries only these lines, one
 bare JSON object each (``id``, ``route``, ``tag``, ``status``, ``stream``, ``prompt_tokens``,
-``completion_tokens``, ``ttft_ms``, ``snapshots``, ``stop_reason``, ``duration_ms`` and ``error``
-when there was one), so that a log shipper can parse stdout without filtering. ``stream`` is what
-the request asked for once its body validated (false when the body itself was rejected).
+``completion_tokens``, ``ttft_ms``, ``snapshots``, ``stop_reason``, ``duration_ms``; on the OpenAI
+route ``finish_reason``; and ``error`` and ``error_message`` when there was one), so that a log
+shipper can parse stdout without filtering. ``stream`` is what the request asked for once its body
+validated (false when the body itself was rejected). ``stop_reason`` is the engine's, in Anthropic's
+names on both routes (``end_turn``, ``max_tokens``, ``stop_sequence``; null when the request did
+not finish), so one query covers both; ``finish_reason`` is the value an OpenAI client received
+(``stop``, ``length``). ``error`` is the error type in the route's own names and ``error_message``
+the message the client was sent.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ class RequestLog:
     ttft_ms: float | None = None
     snapshots: int = 0
     stop_reason: str | None = None
+    finish_reason: str | None = None  # OpenAI route only: the finish_reason the client received
     error: str | None = None
+    error_message: str | None = None
     tag: str | None = None
     start: float = field(default_factory=time.perf_counter)
     _first_token_at: float | None = None
@@ -87,6 +94,10 @@ class RequestLog:
             "ttft_ms": None if ttft is None else round(ttft, 2), "snapshots": self.snapshots,
             "stop_reason": self.stop_reason, "duration_ms": round((now - self.start) * 1000.0, 2),
         }
+        if self.finish_reason is not None:
+            record["finish_reason"] = self.finish_reason
         if self.error:
             record["error"] = self.error
+            if self.error_message:
+                record["error_message"] = self.error_message
         request_log.info(dumps(record))

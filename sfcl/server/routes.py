@@ -94,6 +94,16 @@ class ApiAdapter:
         """The request log's ``error`` value for an HTTP error."""
         raise NotImplementedError
 
+    def finish_name(self, stop_reason: str) -> str | None:
+        """The request log's ``finish_reason``: the API's own name for the engine's ``stop_reason``
+        where it differs from it (OpenAI's ``finish_reason``), else None (not logged)."""
+        return None
+
+    def finished(self, rlog: RequestLog, stop_reason: str | None) -> None:
+        """Record how the generation stopped in ``rlog``."""
+        rlog.stop_reason = stop_reason
+        rlog.finish_reason = None if stop_reason is None else self.finish_name(stop_reason)
+
     def prepare(self, req: Any) -> Prompt:
         """The API's own checks and message conversion; raises ApiError (400)."""
         raise NotImplementedError
@@ -124,13 +134,14 @@ def generation_route(api: ApiAdapter) -> Callable[[Request], Awaitable[Response]
             streaming = rlog.stream
             return response
         except ApiError as e:
-            rlog.status, rlog.error = e.status, api.error_name(e)
+            rlog.status, rlog.error, rlog.error_message = e.status, api.error_name(e), e.message
             raise
         except ClientGone:  # while uploading its body or waiting for a non-streaming response
             rlog.status, rlog.error = 499, "client_closed"
             return Response(status_code=499)
         except Exception:
             rlog.status, rlog.error = 500, "server_error" if api.openai else "api_error"
+            rlog.error_message = "Internal server error"
             raise
         finally:
             if not streaming:
@@ -188,8 +199,8 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     fin = got.finished
     assert fin is not None
     rlog.prompt_tokens = got.prompt_tokens or fin.prompt_tokens or len(prompt_ids)
-    rlog.completion_tokens, rlog.ttft_ms, rlog.stop_reason = (
-        fin.completion_tokens, fin.ttft_ms, fin.stop_reason)
+    rlog.completion_tokens, rlog.ttft_ms = fin.completion_tokens, fin.ttft_ms
+    api.finished(rlog, fin.stop_reason)
     return JSONResponse(api.body(rid, engine, got, fin, rlog.prompt_tokens), headers=headers)
 
 
@@ -223,7 +234,7 @@ async def stream_frames(request: Request, api: ApiAdapter, req: Any, events: Eng
                 yield framing.snapshot(ev)
             elif isinstance(ev, Finished):
                 rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms
-                rlog.stop_reason = ev.stop_reason
+                api.finished(rlog, ev.stop_reason)
                 if ev.stop_reason == "aborted":
                     ev = ErrorEvent("generation was aborted by the server", "api_error")
                     continue
@@ -232,7 +243,7 @@ async def stream_frames(request: Request, api: ApiAdapter, req: Any, events: Eng
                 done = True
                 break
             elif isinstance(ev, ErrorEvent):
-                rlog.error, done = ev.type, True
+                rlog.error, rlog.error_message, done = ev.type, ev.message, True
                 yield framing.error(ev.type, ev.message)
                 break
             # Started (already used for the opening frames) and unknown events: nothing to send
@@ -242,7 +253,7 @@ async def stream_frames(request: Request, api: ApiAdapter, req: Any, events: Eng
                 ev = ErrorEvent(framing.busy_message, "overloaded_error")
     except Exception:
         log.exception("error while streaming %s", rlog.id)
-        rlog.error, done = "api_error", True
+        rlog.error, rlog.error_message, done = "api_error", "Internal server error", True
         yield framing.error("api_error", "Internal server error")
     finally:
         await events.aclose()
