@@ -352,7 +352,7 @@ def test_grouped_cells_recall_and_the_two_passes_agree(grouped, kernel):
 
 
 def test_search_lists_is_search_confidence_as_lists(grouped, kernel):
-    """The served lookup's native call (anchor_lookup: Python lists, no tensor) returns what
+    """The served lookup's native call (AnchorLookup: Python lists, no tensor) returns what
     search_confidence returns; None where it does not apply, so the caller takes the tensor path."""
     lib, _ = grouped
     ivf = AnchorIndex(lib, approximate=True, native=True)
@@ -366,6 +366,42 @@ def test_search_lists_is_search_confidence_as_lists(grouped, kernel):
     assert ivf.search_lists(q[:2].double(), 3, w, lam) is None
     assert ivf.search_lists(q[:2], 65, w, lam) is None  # above IVF_MAX_K: exact search
     assert AnchorIndex(lib, approximate=True, native=False).search_lists(q[:2], 3, w, lam) is None
+
+
+def test_anchor_lookup_reuses_its_buffers_and_holds_its_index(grouped, kernel):
+    """AnchorLookup (the served call: the index's arguments converted and checked once) finds what
+    anchor_search finds for every call of a sequence of batch sizes (its buffers are reused between
+    calls, smaller and larger), holds the index's tensors after every other reference is gone, checks
+    its index arguments when built and each query's shape and dtype when called."""
+    import gc
+
+    lib, _ = grouped
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    c = ivf.cells
+    g = torch.Generator().manual_seed(11)
+    w, lam = torch.rand(lib.n_anchors, generator=g), torch.rand(lib.n_anchors, generator=g) * 10
+    index_args = [ivf.stored.clone(), *(t.clone() for t in c.arrays())]
+    tail = (ivf.nprobe, 3, candidates(3, ivf.n), w.clone(), lam.clone(), *(t.clone() for t in c.groups()), ivf.group_probe)
+    lookup = decode_kernel.module().AnchorLookup(*index_args, *tail)
+    expected = {}
+    for n in (5, 1, 7, 0, 3, 5):
+        q = _near(lib, n, 0.3, g) if n else torch.empty(0, lib.hidden_size)
+        s, i, cf = decode_kernel.module().anchor_search(q, *index_args, *tail)
+        expected[n] = (q, (s.tolist(), i.tolist(), cf.tolist(), bool((i < 0).any())))
+    del index_args, tail
+    gc.collect()
+    for n, (q, want) in expected.items():
+        assert lookup(q) == want, n
+    with pytest.raises(RuntimeError, match="queries"):
+        lookup(expected[5][0].double())
+    with pytest.raises(RuntimeError, match="queries"):
+        lookup(expected[5][0][:, :-1].contiguous())
+    off = c.offsets.clone()
+    off[5] = 10**9
+    with pytest.raises(RuntimeError, match="offsets"):
+        decode_kernel.module().AnchorLookup(ivf.stored, *c.arrays()[:3], off, *c.arrays()[4:], 12, 3, 19)
+    with pytest.raises(RuntimeError, match="both"):
+        decode_kernel.module().AnchorLookup(ivf.stored, *c.arrays(), 12, 3, 19, w, None)
 
 
 def test_ivf_cells_partition_the_library(big):

@@ -34,7 +34,7 @@ Two ways to search, both scoring against the library's stored float16 vectors in
   sums) + s sum_d q8_d code(r)_d. Residuals span a narrower range than the vectors, so their 4-bit steps are finer:
   recall@3 on the 32,731 anchors of the 61 dev NDAs was 0.971 with 4-bit codes of the vectors
   against 0.983 with int8 codes (``scripts/anchor_search_bench.py``, 2026-12-05). The kernel module's
-  ``anchor_search`` / ``anchor_lookup`` (``sfcl/model/csrc/anchor_search.cpp``, one call, one
+  ``anchor_search`` / ``AnchorLookup`` (``sfcl/model/csrc/anchor_search.cpp``, one call, one
   thread, the GIL held) runs these steps when SFCL's native kernels are built
   (``sfcl.model.decode_kernel.load``), and also computes the found anchors' snapshot confidences;
   :func:`ivf_search_torch` is the same steps in torch operators, used without them. Why codes,
@@ -204,7 +204,7 @@ class AnchorIndex:
         self.cells: IvfCells | None = None
         self.native = False  # whether the IVF pass runs natively (the kernel module's anchor_search)
         self._native_search = self._native_lookup = None
-        self._lookup_args: tuple | None = None  # search_lists' bound arguments
+        self._lookup_args: tuple | None = None  # search_lists' (k, weights, decay, bound AnchorLookup)
         self._nprobe = self._group_probe = 0
         if self.kind == "dense":
             self.vectors = self.stored if dtype == torch.float16 else self.stored.to(dtype)
@@ -219,7 +219,7 @@ class AnchorIndex:
 
                 if decode_kernel.load():
                     self._native_search = decode_kernel.module().anchor_search
-                    self._native_lookup = decode_kernel.module().anchor_lookup
+                    self._native_lookup = decode_kernel.module().AnchorLookup
                 self.native = self._native_search is not None
         self.build_s = time.perf_counter() - t0
 
@@ -257,19 +257,21 @@ class AnchorIndex:
         layout, ``k`` above ``IVF_MAX_K`` or the library size, or a row needing the exact fallback):
         the caller then uses :meth:`search_confidence`.
 
-        The call's arguments other than the query are bound once per (k, weights, decay), and the
-        query's dtype and layout are left to the native pass to check: right after a decode step
-        each Python-level operation here costs microseconds (twenty-first session)."""
+        The call's arguments other than the query are bound (converted and checked) once per (k,
+        weights, decay) in the kernel module's ``AnchorLookup``, and the query's dtype and layout
+        are left to the native pass to check: right after a decode step each Python-level operation
+        here costs microseconds (twenty-first session), and converting the 16 other arguments on
+        each call ~15-20 us (twenty-fifth session)."""
         bound = self._lookup_args
         if bound is None or bound[0] != k or bound[1] is not weights or bound[2] is not decay:
             if self._native_lookup is None or not 1 <= k <= min(self.n, IVF_MAX_K):
                 return None
             c = self.cells
-            bound = self._lookup_args = (k, weights, decay, (
+            bound = self._lookup_args = (k, weights, decay, self._native_lookup(
                 self.stored, *c.arrays(), self._nprobe, k, candidates(k, self.n), weights, decay, *c.groups(),
                 self._group_probe))
         try:
-            s_l, i_l, c_l, short = self._native_lookup(query, *bound[3])
+            s_l, i_l, c_l, short = bound[3](query)
         except RuntimeError:  # not a contiguous (B, D) float32 query: the tensor path converts it
             return None
         return None if short else (s_l, i_l, c_l)

@@ -17,9 +17,9 @@ prompt chunks and the anchor builder; ``sfcl.model.llama``), ``torch.ops.sfcl.ca
 window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.causal_attention``
 (``causal_attention.cpp``, the anchor builder's causal attention of the other layers on AMX tiles, compiled
 where ``-march`` enables AMX; ``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
-``sfcl.anchors.model_pass``), and the module's ``anchor_search`` / ``anchor_lookup``
+``sfcl.anchors.model_pass``), and the module's ``anchor_search`` function and ``AnchorLookup`` class
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
-``sfcl.library.index``), a pybind11 function so that it keeps the GIL.
+``sfcl.library.index``), pybind11 bindings so that they keep the GIL.
 
 ``torch.ops.sfcl.decode_attention`` does, per layer and step, what ``Attention.decode_attn``'s
 eager path does in ~10 operators (write the new K/V into the cache, read the rows' K/V views,
@@ -82,7 +82,7 @@ LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats",
        "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_", "causal_attention",
        "causal_attention_ready")  # the torch operators a loaded library must register
-FUNCTIONS = ("anchor_search", "anchor_lookup", "parallel_threads")  # and its module's functions
+FUNCTIONS = ("anchor_search", "AnchorLookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 

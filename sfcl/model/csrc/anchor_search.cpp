@@ -39,12 +39,22 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 #include "sfcl_kernels.h"
 
 namespace sfcl {
+
+// One unit query as int8 codes: q ~ sign * mag * scale, mag = |round(q / scale)| in [0, 127].
+struct QueryCodes {
+  std::vector<uint8_t> mag;   // (D,)
+  std::vector<int8_t> sign;   // (D,) -1 where the code is negative, else 1
+  std::vector<uint64_t> neg;  // (D / 64,) bit i of word w: sign[64 w + i] < 0 (the AVX-512 form)
+  float scale = 0.f;
+};
+
 namespace {
 
 // Insert (v, id) into the descending list s[0..n) / ids[0..n) when it beats the last entry.
@@ -60,13 +70,6 @@ inline void keep_best(float* s, int64_t* ids, int64_t n, float v, int64_t id) {
   ids[t] = id;
 }
 
-// One unit query as int8 codes: q ~ sign * mag * scale, mag = |round(q / scale)| in [0, 127].
-struct QueryCodes {
-  std::vector<uint8_t> mag;   // (D,)
-  std::vector<int8_t> sign;   // (D,) -1 where the code is negative, else 1
-  std::vector<uint64_t> neg;  // (D / 64,) bit i of word w: sign[64 w + i] < 0 (the AVX-512 form)
-  float scale = 0.f;
-};
 
 // Int8 codes out (n,) of x (n,) float32 with one scale, returned: max |x| / 127 (at least FLT_MIN),
 // codes round(x / scale) half to even, as sfcl.library.index.int8_rows (torch.round of the same
@@ -99,16 +102,15 @@ float quantise_into(const float* x, int64_t n, int8_t* out) {
 // The codes of unit row qn (D,) float32 (quantise_into), split as dot_codes takes them. The split
 // runs 64 codes per instruction on AVX-512BW: as a scalar loop it was ~14% of a warm lookup (perf,
 // twenty-first session).
-void quantise(const float* qn, int64_t D, QueryCodes& out) {
-  std::vector<int8_t> c(D);
-  out.scale = quantise_into(qn, D, c.data());
+void quantise(const float* qn, int64_t D, int8_t* c, QueryCodes& out) {  // c (D,): scratch
+  out.scale = quantise_into(qn, D, c);
   out.mag.resize(D);
   out.sign.resize(D);
   out.neg.assign(D / 64, 0);
   int64_t d = 0;
 #if defined(__AVX512BW__)
   for (int64_t w = 0; d + 64 <= D; d += 64, ++w) {
-    const __m512i v = _mm512_loadu_si512(c.data() + d);
+    const __m512i v = _mm512_loadu_si512(c + d);
     const __mmask64 m = _mm512_movepi8_mask(v);  // the codes' sign bits
     _mm512_storeu_si512(out.mag.data() + d, _mm512_abs_epi8(v));
     _mm512_storeu_si512(out.sign.data() + d, _mm512_mask_blend_epi8(m, _mm512_set1_epi8(1), _mm512_set1_epi8(-1)));
@@ -254,121 +256,171 @@ inline void prefetch(const void* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// Software prefetch over byte ranges read in order (one row's probed cells' codes), kept a fixed
+// distance ahead of the reader across the ranges' ends: the hardware's stream prefetcher stops at
+// each cell's end (and at 4 KB pages). See kScanAhead.
+struct RangePrefetch {
+  static constexpr int kMax = 64;
+  const uint8_t* p[kMax];
+  int64_t n[kMax];
+  int nr = 0, i = 0;
+  int64_t off = 0, issued = 0;
+  void add(const uint8_t* ptr, int64_t len) {
+    if (nr < kMax && len > 0) {
+      p[nr] = ptr;
+      n[nr++] = len;
+    }
+  }
+  void upto(int64_t target) {  // issue lines until `target` bytes of the ranges, in order, have been issued
+    for (; issued < target && i < nr; issued += 64) {
+      __builtin_prefetch(p[i] + off, 0, 3);
+      if ((off += 64) >= n[i]) off = 0, ++i;
+    }
+  }
+};
+
+// How far ahead of the member scan its codes are prefetched, in bytes. One row's scan, cold (after a
+// 64 MB copy), twenty-fifth session: the next cell's same rows only (before) 16-18 us, 1 KB ahead
+// 15-16 us; four rows searched together 53-66 us against 53-55 (scratch timings, default library).
+constexpr int64_t kScanAhead = 1024;
+
 }  // namespace
 
-// queries (B, D) float32; stored (N, D) float16 (the library's vectors); centroids (C, Dp / 2)
-// uint8, packed 4-bit codes (Dp = D rounded up to a multiple of 64) with centroid_step (Dp,)
-// float32 and centroid_vectors (C, D) float16 (the same centroids); offsets (C + 1,) int64: cell c's members are members[offsets[c] : offsets[c + 1]]
-// (anchor ids, int32), their residuals' codes the same rows of codes (M, Dp / 2) uint8 with code_step (Dp,)
-// float32; weights, decay: (N,) float32 per anchor, or undefined
-// (None). Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32), best
-// first; -inf / -1 / NaN where a row has no anchor (see the header); confidences NaN throughout
-// without weights and decay. group_centroids (G, D) int8, group_scale (G,) float32, group_offsets
-// (G + 1,) int64, or none of them: cells grouped (group g holds cells group_offsets[g] to
-// group_offsets[g + 1]), and a row ranks only the centroids of its group_probe best groups (the
-// second level of a hierarchical k-means tree: Muja & Lowe, "Scalable nearest neighbor algorithms
-// for high dimensional data", TPAMI 2014). anchor_search_into writes the results to S, I and F
-// (B * k each); anchor_search returns them as tensors, and bindings.cpp's anchor_lookup as Python
-// lists (no torch operator: right after a decode step, creating three small tensors and reading
-// them back cost a lookup ~0.05 ms, scripts/lookup_parts.py).
-void anchor_search_into(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
-    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
-    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
+// The per-call buffers, kept between calls of one AnchorSearch (resized, not reallocated: a
+// lookup right after a decode step paid ~20 cold allocations).
+struct AnchorScratch {
+  std::vector<float> qn, qcode_scale, t, probe_s, group_s, cand_s, cell_q;
+  std::vector<char> finite;
+  std::vector<QueryCodes> qc;
+  std::vector<int8_t> qcent, qcode, c8;
+  std::vector<int64_t> probe, n_rows, group_rows, group, cand;
+};
+
+AnchorSearch::AnchorSearch(
+    const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes,
+    const at::Tensor& code_step, int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
     const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
-    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
-    int64_t group_probe, float* S, int64_t* I, float* F) {
-  TORCH_CHECK(queries.dim() == 2 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
-              "anchor_search: queries must be a contiguous (B, D) float32 tensor");
-  const int64_t B = queries.size(0), D = queries.size(1);
-  TORCH_CHECK(D <= 131072, "anchor_search: D must be at most 131072 (int32 sums of int8 products), got ", D);
-  TORCH_CHECK(stored.dim() == 2 && stored.size(1) == D && stored.scalar_type() == at::kHalf && stored.is_contiguous(),
-              "anchor_search: stored must be a contiguous (N, D) float16 tensor with the queries' D");
-  const int64_t N = stored.size(0);
-  const int64_t Dp = (D + kSq4Block - 1) / kSq4Block * kSq4Block;  // the 4-bit codes' padded width
-  TORCH_CHECK(centroids.dim() == 2 && centroids.size(1) == Dp / 2 && centroids.scalar_type() == at::kByte &&
+    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets, int64_t group_probe)
+    : scratch_(std::make_unique<AnchorScratch>()) {
+  TORCH_CHECK(stored.dim() == 2 && stored.scalar_type() == at::kHalf && stored.is_contiguous(),
+              "anchor_search: stored must be a contiguous (N, D) float16 tensor");
+  N_ = stored.size(0);
+  D_ = stored.size(1);
+  TORCH_CHECK(D_ >= 1 && D_ <= 131072, "anchor_search: D must be 1 to 131072 (int32 sums of int8 products), got ", D_);
+  Dp_ = (D_ + kSq4Block - 1) / kSq4Block * kSq4Block;  // the 4-bit codes' padded width
+  TORCH_CHECK(centroids.dim() == 2 && centroids.size(1) == Dp_ / 2 && centroids.scalar_type() == at::kByte &&
                   centroids.is_contiguous() && centroids.size(0) >= 1,
-              "anchor_search: centroids must be a contiguous (C >= 1, ", Dp / 2, ") uint8 tensor of packed 4-bit codes");
-  const int64_t C = centroids.size(0);
-  TORCH_CHECK(centroid_vectors.dim() == 2 && centroid_vectors.size(0) == C && centroid_vectors.size(1) == D &&
+              "anchor_search: centroids must be a contiguous (C >= 1, ", Dp_ / 2, ") uint8 tensor of packed 4-bit codes");
+  C_ = centroids.size(0);
+  TORCH_CHECK(centroid_vectors.dim() == 2 && centroid_vectors.size(0) == C_ && centroid_vectors.size(1) == D_ &&
                   centroid_vectors.scalar_type() == at::kHalf && centroid_vectors.is_contiguous(),
               "anchor_search: centroid_vectors must be a contiguous (C, D) float16 tensor");
   for (const at::Tensor* t : {&centroid_step, &code_step})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == Dp && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "anchor_search: centroid_step and code_step must be contiguous (", Dp, ",) float32 tensors");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == C + 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == Dp_ && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "anchor_search: centroid_step and code_step must be contiguous (", Dp_, ",) float32 tensors");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == C_ + 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
               "anchor_search: offsets must be a contiguous (C + 1,) int64 tensor");
   const int64_t M = members.numel();
   TORCH_CHECK(members.dim() == 1 && members.scalar_type() == at::kInt && members.is_contiguous(),
               "anchor_search: members must be a contiguous 1-D int32 tensor");
-  TORCH_CHECK(codes.dim() == 2 && codes.size(0) == M && codes.size(1) == Dp / 2 && codes.scalar_type() == at::kByte &&
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) == M && codes.size(1) == Dp_ / 2 && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous(),
-              "anchor_search: codes must be a contiguous (members, ", Dp / 2, ") uint8 tensor of packed 4-bit codes");
+              "anchor_search: codes must be a contiguous (members, ", Dp_ / 2, ") uint8 tensor of packed 4-bit codes");
   TORCH_CHECK(nprobe >= 1 && k >= 1 && n_candidates >= k, "anchor_search: need nprobe >= 1 and n_candidates >= k >= 1");
   TORCH_CHECK(weights.has_value() == decay.has_value(), "anchor_search: give both weights and decay, or neither");
-  const float* W = nullptr;
-  const float* L = nullptr;
+  keep_ = {stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step};
   if (weights.has_value()) {
     for (const at::Tensor* t : {&*weights, &*decay})
-      TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kFloat && t->is_contiguous(),
+      TORCH_CHECK(t->dim() == 1 && t->size(0) == N_ && t->scalar_type() == at::kFloat && t->is_contiguous(),
                   "anchor_search: weights and decay must be contiguous (N,) float32 tensors");
-    W = weights->data_ptr<float>();
-    L = decay->data_ptr<float>();
+    W_ = weights->data_ptr<float>();
+    L_ = decay->data_ptr<float>();
+    keep_.push_back(*weights);
+    keep_.push_back(*decay);
   }
   // groups of cells (a second level over the centroids): group g holds cells [goff[g], goff[g + 1])
   const bool grouped = group_centroids.has_value();
   TORCH_CHECK(grouped == group_scale.has_value() && grouped == group_offsets.has_value(),
               "anchor_search: give group_centroids, group_scale and group_offsets together, or none");
-  const int8_t* G8 = nullptr;
-  const float* g_scale = nullptr;
-  const int64_t* goff = nullptr;
-  int64_t G = 0, gp = 0;
   if (grouped) {
-    G = group_centroids->dim() == 2 ? group_centroids->size(0) : 0;
-    TORCH_CHECK(G >= 1 && group_centroids->size(1) == D && group_centroids->scalar_type() == at::kChar &&
+    G_ = group_centroids->dim() == 2 ? group_centroids->size(0) : 0;
+    TORCH_CHECK(G_ >= 1 && group_centroids->size(1) == D_ && group_centroids->scalar_type() == at::kChar &&
                     group_centroids->is_contiguous(),
                 "anchor_search: group_centroids must be a contiguous (G >= 1, D) int8 tensor");
-    TORCH_CHECK(group_scale->dim() == 1 && group_scale->size(0) == G && group_scale->scalar_type() == at::kFloat &&
+    TORCH_CHECK(group_scale->dim() == 1 && group_scale->size(0) == G_ && group_scale->scalar_type() == at::kFloat &&
                     group_scale->is_contiguous(),
                 "anchor_search: group_scale must be a contiguous (G,) float32 tensor");
-    TORCH_CHECK(group_offsets->dim() == 1 && group_offsets->size(0) == G + 1 &&
+    TORCH_CHECK(group_offsets->dim() == 1 && group_offsets->size(0) == G_ + 1 &&
                     group_offsets->scalar_type() == at::kLong && group_offsets->is_contiguous(),
                 "anchor_search: group_offsets must be a contiguous (G + 1,) int64 tensor");
     TORCH_CHECK(group_probe >= 1, "anchor_search: group_probe must be >= 1");
-    G8 = group_centroids->data_ptr<int8_t>();
-    g_scale = group_scale->data_ptr<float>();
-    goff = group_offsets->data_ptr<int64_t>();
-    TORCH_CHECK(goff[0] == 0 && goff[G] == C, "anchor_search: group_offsets must run from 0 to the number of cells");
-    for (int64_t g = 0; g < G; ++g)
-      TORCH_CHECK(goff[g] <= goff[g + 1], "anchor_search: group_offsets must not decrease (group ", g, ")");
-    gp = std::min(group_probe, G);
+    G8_ = group_centroids->data_ptr<int8_t>();
+    g_scale_ = group_scale->data_ptr<float>();
+    goff_ = group_offsets->data_ptr<int64_t>();
+    TORCH_CHECK(goff_[0] == 0 && goff_[G_] == C_, "anchor_search: group_offsets must run from 0 to the number of cells");
+    for (int64_t g = 0; g < G_; ++g)
+      TORCH_CHECK(goff_[g] <= goff_[g + 1], "anchor_search: group_offsets must not decrease (group ", g, ")");
+    gp_ = std::min(group_probe, G_);
+    keep_.push_back(*group_centroids);
+    keep_.push_back(*group_scale);
+    keep_.push_back(*group_offsets);
   }
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[C] == M, "anchor_search: offsets must run from 0 to the number of members");
-  for (int64_t c = 0; c < C; ++c)  // O(C): a decreasing entry would send the scan outside members
-    TORCH_CHECK(off[c] <= off[c + 1], "anchor_search: offsets must not decrease (cell ", c, ")");
+  off_ = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off_[0] == 0 && off_[C_] == M, "anchor_search: offsets must run from 0 to the number of members");
+  for (int64_t c = 0; c < C_; ++c)  // O(C): a decreasing entry would send the scan outside members
+    TORCH_CHECK(off_[c] <= off_[c + 1], "anchor_search: offsets must not decrease (cell ", c, ")");
+  const int32_t* mem = members.data_ptr<int32_t>();
+  V_ = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
+  C4_ = centroids.data_ptr<uint8_t>();
+  L4_ = codes.data_ptr<uint8_t>();
+  CV_ = reinterpret_cast<const uint16_t*>(centroid_vectors.data_ptr<at::Half>());
+  mem_ = mem;
+  cstep_ = centroid_step.data_ptr<float>();
+  lstep_ = code_step.data_ptr<float>();
+  np_ = std::min(nprobe, C_);
+  k_ = k;
+  n_candidates_ = n_candidates;
+}
 
+AnchorSearch::~AnchorSearch() = default;
+
+void AnchorSearch::run(const at::Tensor& queries, float* S, int64_t* I, float* F) {
+  TORCH_CHECK(queries.dim() == 2 && queries.size(1) == D_ && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
+              "anchor_search: queries must be a contiguous (B, ", D_, ") float32 tensor");
+  const int64_t B = queries.size(0), D = D_, Dp = Dp_, C = C_, G = G_, gp = gp_, np = np_, k = k_;
+  const int64_t n_candidates = n_candidates_;
   const float kNegInf = -std::numeric_limits<float>::infinity();
   std::fill(S, S + B * k, kNegInf);
   std::fill(I, I + B * k, int64_t{-1});
   std::fill(F, F + B * k, std::numeric_limits<float>::quiet_NaN());
   if (B == 0) return;
   const float* Q = queries.data_ptr<float>();
-  const uint16_t* V = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
-  const uint8_t* C4 = centroids.data_ptr<uint8_t>();
-  const uint8_t* L4 = codes.data_ptr<uint8_t>();
-  const uint16_t* CV = reinterpret_cast<const uint16_t*>(centroid_vectors.data_ptr<at::Half>());
+  const uint16_t* V = V_;
+  const uint8_t* C4 = C4_;
+  const uint8_t* L4 = L4_;
+  const uint16_t* CV = CV_;
+  const int64_t* off = off_;
+  const int32_t* mem = mem_;
+  const int8_t* G8 = G8_;
+  const float* g_scale = g_scale_;
+  const int64_t* goff = goff_;
+  const float* W = W_;
+  const float* L = L_;
+  const bool grouped = G8 != nullptr;
   const int64_t R4 = Dp / 2;  // bytes per row of 4-bit codes
-  const int32_t* mem = members.data_ptr<int32_t>();
-  const int64_t np = std::min(nprobe, C);
   const int64_t ahead = 8;  // centroid rows prefetched ahead of the scan
 
-  std::vector<float> qn(B * D);
-  std::vector<char> finite(B);
-  std::vector<QueryCodes> qc(B);  // int8 codes of the unit query (the groups' centroids)
-  std::vector<int8_t> qcent(B * Dp), qcode(B * Dp);  // (B, Dp) against the centroids' / residuals' 4-bit codes
-  std::vector<float> qcode_scale(B);
-  std::vector<float> scratch(Dp);
+  AnchorScratch& z = *scratch_;
+  z.qn.resize(B * D);
+  z.finite.resize(B);
+  if (int64_t(z.qc.size()) < B) z.qc.resize(B);  // int8 codes of the unit query (the groups' centroids)
+  z.qcent.resize(B * Dp);  // (B, Dp) against the centroids' 4-bit codes
+  z.qcode.resize(B * Dp);  // (B, Dp) against the residuals' 4-bit codes
+  z.qcode_scale.resize(B);
+  z.t.resize(Dp);
+  z.c8.resize(D);
+  float* qn = z.qn.data();
   for (int64_t b = 0; b < B; ++b) {  // unit rows, the norm in float64 (sfcl.library.index.unit_rows)
     const float* q = Q + b * D;
     double ss = 0.0;
@@ -383,40 +435,45 @@ void anchor_search_into(
 #endif
     for (int64_t d = d0; d < D; ++d) ss += double(q[d]) * double(q[d]);
     const double norm = std::sqrt(ss);
-    finite[b] = std::isfinite(norm);
+    z.finite[b] = std::isfinite(norm);
     const double den = std::max(norm, double(std::numeric_limits<double>::min()));
     for (int64_t d = 0; d < D; ++d) qn[b * D + d] = float(double(q[d]) / den);
-    if (!finite[b]) continue;
-    if (grouped) quantise(&qn[b * D], D, qc[b]);
-    sq4_query(&qn[b * D], D, centroid_step.data_ptr<float>(), Dp, scratch.data(), &qcent[b * Dp]);
-    qcode_scale[b] = sq4_query(&qn[b * D], D, code_step.data_ptr<float>(), Dp, scratch.data(), &qcode[b * Dp]);
+    if (!z.finite[b]) continue;
+    if (grouped) quantise(&qn[b * D], D, z.c8.data(), z.qc[b]);
+    sq4_query(&qn[b * D], D, cstep_, Dp, z.t.data(), &z.qcent[b * Dp]);
+    z.qcode_scale[b] = sq4_query(&qn[b * D], D, lstep_, Dp, z.t.data(), &z.qcode[b * Dp]);
   }
   // The probe lists: per row, the nprobe best cells (scores in probe_s, ids in probe, best first;
   // ties go to the lower cell: every row meets its cells in ascending order).
-  std::vector<float> probe_s(B * np, kNegInf);
-  std::vector<int64_t> probe(B * np, -1);
+  z.probe_s.assign(B * np, kNegInf);
+  z.probe.assign(B * np, -1);
+  float* probe_s = z.probe_s.data();
+  int64_t* probe = z.probe.data();
+  const int8_t* qcent = z.qcent.data();
   if (!grouped) {  // each centroid read once for all rows
     for (int64_t c = 0; c < C; ++c) {
       if (c + ahead < C) prefetch(C4 + (c + ahead) * R4, R4);
       for (int64_t b = 0; b < B; ++b)
-        if (finite[b])
+        if (z.finite[b])
           keep_best(&probe_s[b * np], &probe[b * np], np, float(dot_sq4(C4 + c * R4, &qcent[b * Dp], Dp)), c);
     }
   } else {
     // Each row's group_probe best groups; then each group that some row chose, in ascending order,
     // its cells read once for all the rows that chose it (a step's rows share most of their groups:
     // per row, the cells' codes were ~a quarter of the bytes a lookup reads, twenty-first session).
-    std::vector<int64_t> n_rows(G, 0);
-    std::vector<int64_t> group_rows(G * B);  // group g's rows: group_rows[g * B : g * B + n_rows[g]], ascending
-    std::vector<float> group_s(gp);
-    std::vector<int64_t> group(gp);
+    z.n_rows.assign(G, 0);
+    z.group_rows.resize(G * B);  // group g's rows: group_rows[g * B : g * B + n_rows[g]], ascending
+    z.group_s.resize(gp);
+    z.group.resize(gp);
+    int64_t* n_rows = z.n_rows.data();
+    int64_t* group_rows = z.group_rows.data();
     for (int64_t b = 0; b < B; ++b) {
-      if (!finite[b]) continue;
-      std::fill(group_s.begin(), group_s.end(), kNegInf);
-      std::fill(group.begin(), group.end(), -1);
+      if (!z.finite[b]) continue;
+      std::fill(z.group_s.begin(), z.group_s.end(), kNegInf);
+      std::fill(z.group.begin(), z.group.end(), -1);
       for (int64_t g = 0; g < G; ++g)
-        keep_best(group_s.data(), group.data(), gp, float(dot_codes(G8 + g * D, qc[b], D)) * (g_scale[g] * qc[b].scale), g);
-      for (int64_t i = 0; i < gp && group[i] >= 0; ++i) group_rows[group[i] * B + n_rows[group[i]]++] = b;
+        keep_best(z.group_s.data(), z.group.data(), gp, float(dot_codes(G8 + g * D, z.qc[b], D)) * (g_scale[g] * z.qc[b].scale), g);
+      for (int64_t i = 0; i < gp && z.group[i] >= 0; ++i) group_rows[z.group[i] * B + n_rows[z.group[i]]++] = b;
     }
     for (int64_t g = 0; g < G; ++g) {
       const int64_t n = n_rows[g], beg = goff[g], end = goff[g + 1];
@@ -453,57 +510,56 @@ void anchor_search_into(
   // Per row: the members of its probed cells, candidates and re-score. One thread: rows split over
   // torch's threads (a parallel_for, the engine's OpenMP workers still spinning after the step) did
   // not lower the served lookup's p99 and once waited 1.5 ms for a worker (fifteenth session).
-  {
-    std::vector<float> cand_s(n_candidates), cell_q(np);
-    std::vector<int64_t> cand(n_candidates);
-    for (int64_t b = 0; b < B; ++b) {
-      if (!finite[b]) continue;
-      const float* q = &qn[b * D];
-      const int64_t* probe_b = &probe[b * np];
-      std::fill(cand_s.begin(), cand_s.end(), kNegInf);
-      std::fill(cand.begin(), cand.end(), -1);
-      int64_t scanned = 0;
-      if (probe_b[0] >= 0) prefetch(L4 + off[probe_b[0]] * R4, (off[probe_b[0] + 1] - off[probe_b[0]]) * R4);  // the first cell
-      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) prefetch(CV + probe_b[p] * D, D * 2);
-      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) cell_q[p] = dot_f16(CV + probe_b[p] * D, q, D);  // q . c
-      const float sq = qcode_scale[b];
-      for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) {
-        const int64_t c = probe_b[p];
-        const int64_t nxt = p + 1 < np && probe_b[p + 1] >= 0 ? probe_b[p + 1] : -1;
-        const int64_t n_next = nxt >= 0 ? off[nxt + 1] - off[nxt] : 0;
-        int64_t j = off[c];
-        for (; j + 4 <= off[c + 1]; j += 4) {  // four rows at a time, the next cell's same rows prefetched
-          const int64_t r = j - off[c];
-          if (r < n_next) prefetch(L4 + (off[nxt] + r) * R4, std::min<int64_t>(4, n_next - r) * R4);
-          int32_t dots[4];
-          dot_sq4_4(L4 + j * R4, &qcode[b * Dp], Dp, dots);
-          for (int t = 0; t < 4; ++t)
-            keep_best(cand_s.data(), cand.data(), n_candidates, cell_q[p] + sq * float(dots[t]), mem[j + t]);
-        }
-        for (; j < off[c + 1]; ++j) {
-          const int64_t r = j - off[c];
-          if (r < n_next) prefetch(L4 + (off[nxt] + r) * R4, R4);
-          keep_best(cand_s.data(), cand.data(), n_candidates, cell_q[p] + sq * float(dot_sq4(L4 + j * R4, &qcode[b * Dp], Dp)),
-                    mem[j]);
-        }
-        for (int64_t r = off[c + 1] - off[c]; r < n_next; ++r) prefetch(L4 + (off[nxt] + r) * R4, R4);
-        scanned += off[c + 1] - off[c];
+  z.cand_s.resize(n_candidates);
+  z.cand.resize(n_candidates);
+  z.cell_q.resize(np);
+  float* cand_s = z.cand_s.data();
+  int64_t* cand = z.cand.data();
+  float* cell_q = z.cell_q.data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (!z.finite[b]) continue;
+    const float* q = &qn[b * D];
+    const int64_t* probe_b = &probe[b * np];
+    std::fill(cand_s, cand_s + n_candidates, kNegInf);
+    std::fill(cand, cand + n_candidates, int64_t{-1});
+    RangePrefetch ahead_of_scan;  // the probed cells' codes, in scan order
+    for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p)
+      ahead_of_scan.add(L4 + off[probe_b[p]] * R4, (off[probe_b[p] + 1] - off[probe_b[p]]) * R4);
+    ahead_of_scan.upto(kScanAhead);
+    for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) prefetch(CV + probe_b[p] * D, D * 2);
+    for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) cell_q[p] = dot_f16(CV + probe_b[p] * D, q, D);  // q . c
+    const float sq = z.qcode_scale[b];
+    const int8_t* q8 = &z.qcode[b * Dp];
+    int64_t scanned = 0;
+    for (int64_t p = 0; p < np && probe_b[p] >= 0; ++p) {
+      const int64_t c = probe_b[p];
+      int64_t j = off[c];
+      for (; j + 4 <= off[c + 1]; j += 4) {  // four rows at a time
+        ahead_of_scan.upto(kScanAhead + (scanned + j + 4 - off[c]) * R4);
+        int32_t dots[4];
+        dot_sq4_4(L4 + j * R4, q8, Dp, dots);
+        for (int t = 0; t < 4; ++t) keep_best(cand_s, cand, n_candidates, cell_q[p] + sq * float(dots[t]), mem[j + t]);
       }
-      if (scanned < k) continue;  // short: the caller searches this row exactly
-      int64_t n_cand = 0;
-      for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
-        TORCH_CHECK(cand[n_cand] < N, "anchor_search: member id ", cand[n_cand], " out of range for ", N, " anchors");
-        prefetch(V + cand[n_cand] * D, D * 2);
+      for (; j < off[c + 1]; ++j) {
+        ahead_of_scan.upto(kScanAhead + (scanned + j + 1 - off[c]) * R4);
+        keep_best(cand_s, cand, n_candidates, cell_q[p] + sq * float(dot_sq4(L4 + j * R4, q8, Dp)), mem[j]);
       }
-      float* s = S + b * k;
-      int64_t* id = I + b * k;
-      for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
-      if (W != nullptr)
-        for (int64_t j = 0; j < k && id[j] >= 0; ++j) {  // sfcl.snapshot.triggers.anchor_confidence_each
-          const float c = W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]));
-          F[b * k + j] = c != c ? c : std::min(1.f, std::max(0.f, c));  // NaN stays NaN, as numpy's clip leaves it
-        }
+      scanned += off[c + 1] - off[c];
     }
+    if (scanned < k) continue;  // short: the caller searches this row exactly
+    int64_t n_cand = 0;
+    for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
+      TORCH_CHECK(cand[n_cand] < N_, "anchor_search: member id ", cand[n_cand], " out of range for ", N_, " anchors");
+      prefetch(V + cand[n_cand] * D, D * 2);
+    }
+    float* s = S + b * k;
+    int64_t* id = I + b * k;
+    for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
+    if (W != nullptr)
+      for (int64_t j = 0; j < k && id[j] >= 0; ++j) {  // sfcl.snapshot.triggers.anchor_confidence_each
+        const float c = W[id[j]] * std::exp(-L[id[j]] * std::max(0.f, 1.f - s[j]));
+        F[b * k + j] = c != c ? c : std::min(1.f, std::max(0.f, c));  // NaN stays NaN, as numpy's clip leaves it
+      }
   }
 }
 
@@ -515,13 +571,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
     const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
     int64_t group_probe) {
   TORCH_CHECK(queries.dim() == 2 && k >= 1, "anchor_search: queries must be a (B, D) tensor and k >= 1");
+  AnchorSearch pass(stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step, nprobe, k,
+                    n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe);
   const int64_t B = queries.size(0);
   auto scores = at::empty({B, k}, at::kFloat);
   auto ids = at::empty({B, k}, at::kLong);
   auto conf = at::empty({B, k}, at::kFloat);
-  anchor_search_into(queries, stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step, nprobe, k,
-                     n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe,
-                     scores.data_ptr<float>(), ids.data_ptr<int64_t>(), conf.data_ptr<float>());
+  pass.run(queries, scores.data_ptr<float>(), ids.data_ptr<int64_t>(), conf.data_ptr<float>());
   return {scores, ids, conf};
 }
 

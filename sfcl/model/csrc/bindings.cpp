@@ -18,23 +18,18 @@
 #include <vector>
 
 namespace sfcl {
-// anchor_search with the results as Python lists (scores, ids, confidences: B lists of k) and
+// AnchorSearch::run with the results as Python lists (scores, ids, confidences: B lists of k) and
 // whether some row came back short (an id -1): no tensor is created (anchor_search.cpp's header).
-inline pybind11::tuple anchor_lookup(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
-    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
-    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
-    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
-    int64_t group_probe) {
+// The served lookup's call: the index's 16 other arguments are converted and checked once, when
+// sfcl.library.index.AnchorIndex binds them; converting them on every call cost a lookup right
+// after a decode step ~15-20 us (twenty-fifth session).
+inline pybind11::tuple anchor_lookup(AnchorSearch& pass, const at::Tensor& queries) {
   namespace py = pybind11;
-  TORCH_CHECK(queries.dim() == 2 && k >= 1, "anchor_lookup: queries must be a (B, D) tensor and k >= 1");
-  const int64_t B = queries.size(0);
+  TORCH_CHECK(queries.dim() == 2, "anchor_lookup: queries must be a (B, D) tensor");
+  const int64_t B = queries.size(0), k = pass.k();
   std::vector<float> S(B * k), F(B * k);
   std::vector<int64_t> I(B * k);
-  anchor_search_into(queries, stored, centroids, centroid_step, centroid_vectors, offsets, members, codes, code_step, nprobe, k,
-                     n_candidates, weights, decay, group_centroids, group_scale, group_offsets, group_probe, S.data(),
-                     I.data(), F.data());
+  pass.run(queries, S.data(), I.data(), F.data());
   py::list scores(B), ids(B), conf(B);
   bool short_row = false;
   for (int64_t b = 0; b < B; ++b) {
@@ -75,18 +70,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "ranked) or None. Scores, ids and confidences per row, best first, -inf / -1 / NaN where a row "
       "has no anchor, confidences NaN without weights. Raises RuntimeError for arguments that do not "
       "fit together.";
-  auto def_pass = [&](const char* name, auto fn, const std::string& returns) {
-    m.def(name, fn, (std::string(pass_doc) + " " + returns).c_str(), py::arg("queries"), py::arg("stored"),
-          py::arg("centroids"), py::arg("centroid_step"), py::arg("centroid_vectors"), py::arg("offsets"), py::arg("members"), py::arg("codes"),
-          py::arg("code_step"), py::arg("nprobe"), py::arg("k"), py::arg("n_candidates"),
-          py::arg("weights") = py::none(), py::arg("decay") = py::none(), py::arg("group_centroids") = py::none(),
-          py::arg("group_scale") = py::none(), py::arg("group_offsets") = py::none(), py::arg("group_probe") = 0);
-  };
-  def_pass("anchor_search", &sfcl::anchor_search,
-           "Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32) tensors.");
-  def_pass("anchor_lookup", &sfcl::anchor_lookup,
-           "Returns (scores, ids, confidences, short): B Python lists of k each, and whether a row has an id -1 "
-           "(no tensor created: the served lookup's call).");
+  m.def("anchor_search", &sfcl::anchor_search,
+        (std::string(pass_doc) + " Returns (scores (B, k) float32, ids (B, k) int64, confidences (B, k) float32) tensors.").c_str(),
+        py::arg("queries"), py::arg("stored"), py::arg("centroids"), py::arg("centroid_step"), py::arg("centroid_vectors"),
+        py::arg("offsets"), py::arg("members"), py::arg("codes"), py::arg("code_step"), py::arg("nprobe"), py::arg("k"),
+        py::arg("n_candidates"), py::arg("weights") = py::none(), py::arg("decay") = py::none(),
+        py::arg("group_centroids") = py::none(), py::arg("group_scale") = py::none(), py::arg("group_offsets") = py::none(),
+        py::arg("group_probe") = 0);
+  py::class_<sfcl::AnchorSearch>(m, "AnchorLookup",
+                                  "The served snapshot lookup's IVF pass over one index, its arguments (anchor_search's "
+                                  "after queries) checked once and held. Calling it with queries (B, D) float32 "
+                                  "contiguous returns (scores, ids, confidences, short): B Python lists of k each, and "
+                                  "whether a row has an id -1 (no tensor created). The GIL is held; one call at a time.")
+      .def(py::init<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                    const c10::optional<at::Tensor>&, int64_t>(),
+           py::arg("stored"), py::arg("centroids"), py::arg("centroid_step"), py::arg("centroid_vectors"),
+           py::arg("offsets"), py::arg("members"), py::arg("codes"), py::arg("code_step"), py::arg("nprobe"),
+           py::arg("k"), py::arg("n_candidates"), py::arg("weights") = py::none(), py::arg("decay") = py::none(),
+           py::arg("group_centroids") = py::none(), py::arg("group_scale") = py::none(),
+           py::arg("group_offsets") = py::none(), py::arg("group_probe") = 0)
+      .def("__call__", &sfcl::anchor_lookup, py::arg("queries"));
   m.def("parallel_threads", &sfcl::parallel_threads,
         "Threads an at::parallel_for over n items (grain 1) runs on in this library (1 without OpenMP).",
         py::arg("n"));

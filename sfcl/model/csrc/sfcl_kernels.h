@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <memory>
 #include <vector>
 
 namespace sfcl {
@@ -216,15 +217,45 @@ inline Q8Rows quantise_q8_rows(const at::Tensor& x) {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 
-// The snapshot lookup's IVF pass (anchor_search.cpp): results written to S, I, F (B * k each), or
-// returned as tensors; bindings.cpp binds it (and its list-returning form, anchor_lookup).
-void anchor_search_into(
-    const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
-    const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
-    int64_t nprobe, int64_t k, int64_t n_candidates, const c10::optional<at::Tensor>& weights,
-    const c10::optional<at::Tensor>& decay, const c10::optional<at::Tensor>& group_centroids,
-    const c10::optional<at::Tensor>& group_scale, const c10::optional<at::Tensor>& group_offsets,
-    int64_t group_probe, float* S, int64_t* I, float* F);
+// The snapshot lookup's IVF pass (anchor_search.cpp) over one index: the index's tensors (the
+// arguments of anchor_search after queries) checked once and held, and run() searching queries
+// (B, D) float32 into S, I, F (B * k each). Not safe to run from two threads at once (its buffers
+// are reused); bindings.cpp binds it as the module's AnchorLookup, called with the GIL held.
+// Raises c10::Error (RuntimeError in Python) for arguments that do not fit together.
+struct AnchorScratch;
+class AnchorSearch {
+ public:
+  AnchorSearch(const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
+               const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members,
+               const at::Tensor& codes, const at::Tensor& code_step, int64_t nprobe, int64_t k, int64_t n_candidates,
+               const c10::optional<at::Tensor>& weights, const c10::optional<at::Tensor>& decay,
+               const c10::optional<at::Tensor>& group_centroids, const c10::optional<at::Tensor>& group_scale,
+               const c10::optional<at::Tensor>& group_offsets, int64_t group_probe);
+  ~AnchorSearch();
+  AnchorSearch(const AnchorSearch&) = delete;
+  AnchorSearch& operator=(const AnchorSearch&) = delete;
+  int64_t k() const { return k_; }
+  void run(const at::Tensor& queries, float* S, int64_t* I, float* F);
+
+ private:
+  std::vector<at::Tensor> keep_;  // the index's tensors, alive as long as this
+  std::unique_ptr<AnchorScratch> scratch_;
+  int64_t N_ = 0, D_ = 0, Dp_ = 0, C_ = 0, G_ = 0, gp_ = 0, np_ = 0, k_ = 0, n_candidates_ = 0;
+  const uint16_t* V_ = nullptr;
+  const uint16_t* CV_ = nullptr;
+  const uint8_t* C4_ = nullptr;
+  const uint8_t* L4_ = nullptr;
+  const int64_t* off_ = nullptr;
+  const int64_t* goff_ = nullptr;
+  const int32_t* mem_ = nullptr;
+  const int8_t* G8_ = nullptr;
+  const float* g_scale_ = nullptr;
+  const float* cstep_ = nullptr;
+  const float* lstep_ = nullptr;
+  const float* W_ = nullptr;
+  const float* L_ = nullptr;
+};
+// anchor_search: one AnchorSearch built and run, the results as tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_search(
     const at::Tensor& queries, const at::Tensor& stored, const at::Tensor& centroids, const at::Tensor& centroid_step,
     const at::Tensor& centroid_vectors, const at::Tensor& offsets, const at::Tensor& members, const at::Tensor& codes, const at::Tensor& code_step,
