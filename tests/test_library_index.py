@@ -368,6 +368,50 @@ def test_search_lists_is_search_confidence_as_lists(grouped, kernel):
     assert AnchorIndex(lib, approximate=True, native=False).search_lists(q[:2], 3, w, lam) is None
 
 
+def test_rows_searched_together_find_what_they_find_alone_even_among_tied_anchors(tmp_path, kernel):
+    """A library of anchors stored three times each (every candidate list full of tied scores) and a
+    batch with repeated and near-identical rows: each row's ids and scores equal its search alone,
+    and the torch pass finds the same anchors."""
+    n, d = GROUPED_MIN_CELLS * IVF_LIST_SIZE // 3 + 1, 96
+    base = _clustered(n, d, n_centres=200, seed=5)
+    lib = _lib(tmp_path, 3 * n, d, vectors=base.repeat(3, 1))
+    ivf = AnchorIndex(lib, approximate=True, native=True)
+    c = ivf.cells
+    g = torch.Generator().manual_seed(12)
+    q = _near(lib, 6, 0.2, g)
+    q = torch.cat([q, q[:3], q[:2] + 1e-4 * torch.randn(2, d, generator=g)])  # 11 rows: repeats and near repeats
+    tail = (ivf.nprobe, 3, candidates(3, ivf.n), None, None, *c.groups(), ivf.group_probe)
+    s_n, i_n, _ = decode_kernel.module().anchor_search(q, ivf.stored, *c.arrays(), *tail)
+    s_t, i_t = ivf_search_torch(c, ivf.stored, q, ivf.nprobe, 3, candidates(3, ivf.n), ivf.group_probe)
+    assert torch.equal(i_n.sort(1).values, i_t.sort(1).values)  # the same anchors (topk orders exact ties its own way)
+    torch.testing.assert_close(s_n, s_t, atol=2e-6, rtol=0)
+    for r in range(len(q)):
+        s_1, i_1, _ = decode_kernel.module().anchor_search(q[r:r + 1], ivf.stored, *c.arrays(), *tail)
+        assert torch.equal(i_1[0], i_n[r]) and torch.equal(s_1[0], s_n[r]), r
+    assert torch.equal(i_n[6:9], i_n[:3])
+
+
+def test_candidates_tied_across_cells_are_kept_in_the_rows_probe_order(kernel):
+    """Eight anchors in two cells whose members all score the same (identical centroid vectors,
+    all-zero residual codes), cell 1 ranked first by its centroid's codes: a row's 2 candidates are
+    the first two of its own scan in its probe order (cell 1's anchors 4 and 5, not cell 0's), and the
+    re-score then picks 5. Alone and beside other rows probing the same cells. (A scan that read the
+    cells in ascending order for all rows at once and kept ties by arrival failed this.)"""
+    d = 64
+    q = torch.ones(1, d)
+    stored = torch.zeros(8, d)
+    stored[0] = 1.0  # the exact best overall, in the cell scanned second
+    stored[4, :32] = 1.0
+    stored[5, :48] = 1.0
+    args = (stored.half(), torch.tensor([[0] * 32, [0x11] * 32], dtype=torch.uint8), torch.ones(d),
+            torch.zeros(2, d).half(), torch.tensor([0, 4, 8]), torch.arange(8, dtype=torch.int32),
+            torch.zeros(8, 32, dtype=torch.uint8), torch.ones(d), 2, 1, 2)
+    _, ids, _ = decode_kernel.module().anchor_search(q, *args)
+    assert ids.tolist() == [[5]]
+    _, ids, _ = decode_kernel.module().anchor_search(torch.cat([q, 2 * q, q + 0.5]), *args)
+    assert ids.tolist() == [[5], [5], [5]]
+
+
 def test_anchor_lookup_reuses_its_buffers_and_holds_its_index(grouped, kernel):
     """AnchorLookup (the served call: the index's arguments converted and checked once) finds what
     anchor_search finds for every call of a sequence of batch sizes (its buffers are reused between
