@@ -91,6 +91,25 @@ def test_fused_decode_attention_head_shapes_against_float64(kernel, dtype, hd, n
     assert torch.equal(kc[torch.arange(B), :, pos], kn) and torch.equal(vc[torch.arange(B), :, pos], vn)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd, nkv, g", [(64, 2, 1), (64, 1, 4), (128, 1, 8)])
+def test_a_nan_key_makes_the_heads_that_read_it_nan(kernel, dtype, hd, nkv, g):
+    """A NaN in one cached key: the query heads of its KV head come out NaN in the rows that attend
+    to it, as torch's softmax gives (the AVX-512 softmax once clamped it to a weight of e^-87,
+    unlike the scalar one); the other heads and rows stay finite."""
+    gen = torch.Generator().manual_seed(4)
+    B, L = 2, 40
+    pos = torch.tensor([30, 3])
+    kc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    vc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    kc[:, 0, 5, 0] = float("nan")  # position 5 of KV head 0: row 0 attends to it, row 1 (positions 0-3) does not
+    q = torch.randn(B, nkv * g, hd, generator=gen).to(dtype)
+    kn, vn = (torch.randn(B, nkv, hd, generator=gen).to(dtype) for _ in range(2))
+    o, _ = kernel.decode_attention(q, kc, vc, kn, vn, pos, 0, int(pos.max()) + 1, hd ** -0.5, True)
+    nan = o.view(B, nkv, g, hd).isnan().any(-1)  # (B, nkv, g)
+    assert nan[0, 0].all() and not nan[0, 1:].any() and not nan[1].any()
+
+
 def test_fused_decode_attention_without_probs_and_strided_inputs(kernel, lm):
     """q, k, v as the projections give them (views into one qkv row, strided across heads) and no
     weights asked for: the output equals that of contiguous copies."""

@@ -109,9 +109,9 @@ void pack_v(const bf16* v, int64_t vs, int64_t T, int64_t Tp, bf16* vp) {
 
 // Causal softmax numerators of query row i of a block: p[j] = bf16(exp(scale s[j] - max)) for
 // j <= i, 0 for i < j < width (width a multiple of 16, > i). Returns 1 / the float32 sum of the
-// numerators before rounding (as torch's flash attention for CPU normalises). exp in 16-lane
-// AVX-512 with fused multiply-adds: 2^n by scalef, e^r by its degree-4 Taylor polynomial on
-// |r| <= ln2 / 2 (relative error < 5e-5, below the bf16 rounding that follows, 2^-9).
+// numerators before rounding (as torch's flash attention for CPU normalises). exp by
+// sfcl::exp_nonpositive16<true>: 16 lanes, e^r by its degree-4 Taylor polynomial (relative error
+// < 5e-5, below the bf16 rounding that follows, 2^-9).
 float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p) {
   const int64_t n = i + 1, full = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
@@ -120,21 +120,10 @@ float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p
   for (int64_t j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mul_ps(vs, _mm512_loadu_ps(s + j)));
   if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(tail, s + full)));
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  const __m512 lo = _mm512_set1_ps(sfcl::kExpMin), log2e = _mm512_set1_ps(sfcl::kLog2e), ln2 = _mm512_set1_ps(0.693147181f);
-  const __m512 c4 = _mm512_set1_ps(1.0f / 24), c3 = _mm512_set1_ps(1.0f / 6), c2 = _mm512_set1_ps(0.5f),
-               one = _mm512_set1_ps(1.0f);
   __m512 z = _mm512_setzero_ps();
   auto step = [&](__m512 sv, __mmask16 m) {  // lanes m of exp(scale s - max) rounded to bf16, their sum into z; others 0
-    // max(lo, x) keeps a NaN x (vmaxps returns its second operand when either is NaN), so a NaN score
-    // makes its row NaN, as in torch's SDPA, instead of a weight of e^-87
-    const __m512 x = _mm512_max_ps(lo, _mm512_fmsub_ps(sv, vs, mx));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(k, ln2, x);
-    __m512 q = _mm512_fmadd_ps(c4, r, c3);
-    q = _mm512_fmadd_ps(q, r, c2);
-    q = _mm512_fmadd_ps(q, r, one);
-    q = _mm512_fmadd_ps(q, r, one);
-    const __m512 e = _mm512_scalef_ps(q, k);
+    // a NaN score stays NaN through the exp, so it makes its row NaN, as in torch's SDPA
+    const __m512 e = sfcl::exp_nonpositive16<true>(_mm512_fmsub_ps(sv, vs, mx));
     z = _mm512_mask_add_ps(z, m, z, e);
     return _mm256_maskz_mov_epi16(m, (__m256i)_mm512_cvtneps_pbh(e));
   };

@@ -32,11 +32,6 @@
 namespace {
 
 using sfcl::exp_nonpositive;
-using sfcl::kExpMin;
-using sfcl::kExpPoly;
-using sfcl::kLn2Hi;
-using sfcl::kLn2Lo;
-using sfcl::kLog2e;
 
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
@@ -124,8 +119,8 @@ void attend(const T* q, int64_t q_head_stride, const T* kr, const T* vr, int64_t
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
-// sc[0, n) <- exp(sc - max(sc)); returns 1 / their sum. exp as exp_nonpositive, 16 lanes at a time,
-// the last block masked; 2^n applied with vscalefps.
+// sc[0, n) <- exp(sc - max(sc)); returns 1 / their sum. exp as exp_nonpositive, 16 lanes at a time
+// (exp_nonpositive16), the last block masked.
 inline float softmax_unnormalised_avx512(float* sc, int64_t n) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t s = 0; s < n; s += 16) {
@@ -136,16 +131,7 @@ inline float softmax_unnormalised_avx512(float* sc, int64_t n) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t s = 0; s < n; s += 16) {
     const __mmask16 k = n - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - s)) - 1);
-    __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), m);
-    x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
-    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(t, _mm512_set1_ps(kLn2Hi), x);
-    r = _mm512_fnmadd_ps(t, _mm512_set1_ps(kLn2Lo), r);
-    __m512 p = _mm512_set1_ps(kExpPoly[0]);
-    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(p, t);
+    const __m512 e = sfcl::exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), m));
     _mm512_mask_storeu_ps(sc + s, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }

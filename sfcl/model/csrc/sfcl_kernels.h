@@ -29,8 +29,8 @@ inline float bf16_to_float(c10::BFloat16 v) {
 }
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-6 polynomial;
-// ~1 ulp), written so that the compiler vectorizes the loop that calls it. decode_attention.cpp's
-// AVX-512 softmax evaluates the same steps 16 lanes at a time from these constants.
+// ~1 ulp), written so that the compiler vectorizes the loop that calls it. exp_nonpositive16 (below)
+// evaluates the same steps 16 lanes at a time with AVX-512.
 constexpr float kExpMin = -87.0f;  // exp(-87) ~ 1.6e-38, still a normal float
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = kLn2Hi + kLn2Lo
@@ -49,6 +49,35 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&two_n, &e, 4);
   return p * two_n;
 }
+
+#if defined(__AVX512F__)
+// exp(x) of 16 lanes for x <= 0: exp_nonpositive's steps (x clamped at kExpMin, n = round(x log2 e),
+// r = x - n ln 2 with ln 2 in two parts, e^r by the degree-6 polynomial) with fused multiply-adds and
+// 2^n applied by vscalefps. A NaN lane stays NaN, as in exp_nonpositive (vmaxps returns its second
+// operand when either is NaN). Degree4: e^r by its degree-4 Taylor polynomial on |r| <= ln 2 / 2, ln 2
+// in one part (relative error < 5e-5), for values rounded to bf16 right after (2^-9; the anchor
+// build's causal softmax, causal_attention.cpp). decode_attention.cpp's softmax uses the full form.
+template <bool Degree4 = false>
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(kExpMin), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 p;
+  if constexpr (Degree4) {
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x), one = _mm512_set1_ps(1.0f);
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, one);
+    p = _mm512_fmadd_ps(p, r, one);
+  } else {
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+    p = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 #if defined(__AVX2__)
 // 8 bf16 values (bit patterns) -> 8 floats, exactly (a shift into the high half).
