@@ -60,3 +60,19 @@ def test_model_built_under_16_bit_defaults_keeps_float32_tables():
     assert m.embed_tokens.weight.dtype == torch.bfloat16
     assert m.rope_cos.dtype == m.rope_sin.dtype == m.inv_freq.dtype == torch.float32
     assert torch.equal(m.rope_cos, LlamaModel(TINY, INV).rope_cos)
+
+
+def test_fit_rope_cuts_tables_past_the_slack_and_grows_them_back():
+    """The engine's max_model_len below the model's context: tables longer by more than the slack
+    are cut to it (same rows), a later larger need grows them back, a small excess is kept, and
+    positions past the model's context are refused."""
+    m = LlamaModel(TINY, INV)
+    full = m.rope_cos.clone()
+    m.fit_rope(2000)  # 48 rows x 8 x 4 bytes x 2 tables over: within the default slack
+    assert m.rope_cos.shape == (2048, 8)
+    m.fit_rope(256, slack_bytes=1024)
+    assert m.rope_cos.shape == m.rope_sin.shape == (256, 8) and torch.equal(m.rope_cos, full[:256])
+    m.fit_rope(1024)  # longer than the tables: rebuilt
+    assert m.rope_cos.shape == (1024, 8) and torch.equal(m.rope_cos, full[:1024])
+    with pytest.raises(ValueError, match="rotary tables: 2049 positions, more than the model's context of 2048"):
+        m.fit_rope(2049)

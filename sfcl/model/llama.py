@@ -490,6 +490,17 @@ class LlamaModel(nn.Module):
         self._rope_master = (inv, *rope_tables(inv, self.attention_scaling, n_positions))
         self._place_rope()
 
+    def fit_rope(self, n_positions: int, slack_bytes: int = 64 << 20) -> None:
+        """Rotary tables for at least ``n_positions`` positions: rebuilt for exactly that many when
+        shorter, or when longer by more than ``slack_bytes`` (the engine's ``max_model_len`` below a
+        long-context checkpoint's ``max_position_embeddings``: a 1M-position Qwen2.5 with head_dim
+        128 holds 0.5 GiB of tables; SmolLM2's 8,192 positions, 2 MiB, are never cut). Raises
+        ValueError past the model's context (``LlamaArgs.check_positions``)."""
+        self.a.check_positions(n_positions, "rotary tables")
+        have, half = self._rope_master[1].shape
+        if have < n_positions or (have - n_positions) * half * 4 * 2 > slack_bytes:
+            self.set_rope(self._rope_master[0], n_positions)
+
     def _place_rope(self) -> None:
         """The rotary buffers: the float32 masters on the weights' device (on the CPU, the masters
         themselves, no copy)."""
