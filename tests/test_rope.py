@@ -76,3 +76,13 @@ def test_fit_rope_cuts_tables_past_the_slack_and_grows_them_back():
     assert m.rope_cos.shape == (1024, 8) and torch.equal(m.rope_cos, full[:1024])
     with pytest.raises(ValueError, match="rotary tables: 2049 positions, more than the model's context of 2048"):
         m.fit_rope(2049)
+
+
+def test_the_model_keeps_its_own_copy_of_the_frequencies():
+    """The loader's inv_freq is a view into the cached weights file's memory map (safetensors'
+    load_file); a model that held it kept the whole map resident (+513 MiB RSS for SmolLM2)."""
+    inv = INV.clone()
+    m = LlamaModel(TINY, inv)
+    assert torch.equal(m.inv_freq, inv) and m.inv_freq.untyped_storage().data_ptr() != inv.untyped_storage().data_ptr()
+    m.set_rope(inv, 64)
+    assert m.inv_freq.untyped_storage().data_ptr() != inv.untyped_storage().data_ptr()
