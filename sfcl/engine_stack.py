@@ -139,7 +139,7 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
                            steer=SteerConfig(lambda_max=scfg.steer_lambda_max), n_heads=lm.args.n_heads)
     layer = lib.layer if lib is not None else (scfg.layer if scfg.layer is not None else default_layer(lm.args.n_layers))
     max_len = min(ecfg.max_model_len or lm.args.max_position_embeddings, lm.args.max_position_embeddings)
-    lm.model.fit_rope(max_len)  # positions past max_len never reach the model here
+    lm.model.fit_rope(max_len, "--max-model-len")  # positions past max_len never reach the model here
     dtype = next(lm.model.parameters()).dtype
     pool_blocks = ecfg.prefix_cache_tokens // ecfg.block_size
     kv = KVCache(lm.args, ecfg.max_num_seqs, max_len, dtype, device, kv_dtype=ecfg.kv_cache_dtype,

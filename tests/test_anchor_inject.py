@@ -13,6 +13,7 @@ from sfcl.anchors.inject import clause_anchor, inject, parse_clauses
 from sfcl.cli import main
 from sfcl.library.store import AnchorLibraryError
 from sfcl.library.versions import load_library
+from sfcl.model.llama import LlamaModel
 
 
 def test_parse_clauses_lines_or_paragraphs():
@@ -78,6 +79,8 @@ def test_inject_refuses_another_model(nda_library, clauses):
 
 
 def test_clause_longer_than_the_models_context_is_refused(lm):
-    short = types.SimpleNamespace(tokenizer=lm.tokenizer, args=dataclasses.replace(lm.args, max_position_embeddings=8))
+    args = dataclasses.replace(lm.args, n_layers=1, vocab_size=64, hidden_size=64, intermediate_size=64, n_heads=1,
+                               n_kv_heads=1, head_dim=64, max_position_embeddings=8)
+    short = types.SimpleNamespace(tokenizer=lm.tokenizer, args=args, model=LlamaModel(args, torch.ones(32)))
     with pytest.raises(ValueError, match="more than the model's context of 8"):
         clause_anchor(short, "The Receiving Party shall hold the Confidential Information in strict confidence.", 22, 8)

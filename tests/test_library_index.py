@@ -446,6 +446,11 @@ def test_anchor_lookup_reuses_its_buffers_and_holds_its_index(grouped, kernel):
         decode_kernel.module().AnchorLookup(ivf.stored, *c.arrays()[:3], off, *c.arrays()[4:], 12, 3, 19)
     with pytest.raises(RuntimeError, match="both"):
         decode_kernel.module().AnchorLookup(ivf.stored, *c.arrays(), 12, 3, 19, w, None)
+    for bad_id in (-1, lib.n_anchors):  # a tester's find: both were accepted when built (one raised later, one gave -1s)
+        members = c.members.clone()
+        members[7] = bad_id
+        with pytest.raises(RuntimeError, match="member id"):
+            decode_kernel.module().AnchorLookup(ivf.stored, *c.arrays()[:4], members, *c.arrays()[5:], 12, 3, 19)
 
 
 def test_ivf_cells_partition_the_library(big):

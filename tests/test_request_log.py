@@ -146,3 +146,40 @@ def test_failed_requests_log_the_message_the_client_got(serve, request_lines, st
     line = _last_line(request_lines)
     assert line["error_message"] == "scripted engine failure" and line["error"], line
     assert line["stop_reason"] is None and "finish_reason" not in line
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_aborted_generation_is_logged_as_the_error_the_client_got(serve, request_lines, route, stream):
+    """An engine that ends a request with Finished(stop_reason="aborted"): the client gets an error,
+    and the log line has that error and no stop_reason or finish_reason (a tester's find: the
+    streamed line had recorded "aborted" / "stop" as if it had finished)."""
+    from sfcl.engine.events import Finished, Started, TextDelta
+
+    class Aborting(FakeEngine):
+        async def _run(self, prompt_ids, params, request_id):
+            yield Started(request_id=request_id or "x", prompt_tokens=len(prompt_ids))
+            yield TextDelta("a ", 0)
+            yield Finished(stop_reason="aborted", stop_sequence=None, prompt_tokens=len(prompt_ids),
+                           completion_tokens=1, snapshot_summary={"mode": "off", "lookups": 0, "triggers": {},
+                                                                  "top_anchors": []}, ttft_ms=1.0)
+
+    url, _ = serve(Aborting())
+    r = httpx.post(url + route, json={"model": "default", "max_tokens": 20, "messages": USER, "stream": stream},
+                   timeout=10)
+    assert "aborted by the server" in r.text
+    line = _last_line(request_lines)
+    assert line["stop_reason"] is None and "finish_reason" not in line, line
+    assert line["error"] and line["error_message"] == "generation was aborted by the server", line
+
+
+def test_a_non_streaming_client_that_leaves_is_logged_with_its_snapshots(serve, request_lines):
+    """A tester's find: the snapshot count was taken only when the generation ended, so a client
+    that left before was logged with none."""
+    eng = FakeEngine(reply="word " * 300, token_delay_s=0.02, snapshot_every=2)
+    url, _ = serve(eng)
+    body = {"model": "default", "max_tokens": 400, "messages": USER, "snapshot_mode": "always"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/messages", json=body, timeout=0.5)
+    line = _last_line(request_lines)
+    assert line["status"] == 499 and line["snapshots"] > 0, line

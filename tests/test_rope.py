@@ -62,20 +62,25 @@ def test_model_built_under_16_bit_defaults_keeps_float32_tables():
     assert torch.equal(m.rope_cos, LlamaModel(TINY, INV).rope_cos)
 
 
-def test_fit_rope_cuts_tables_past_the_slack_and_grows_them_back():
+def test_fit_rope_cuts_tables_past_the_slack_grows_them_and_never_cuts_under_an_earlier_need():
     """The engine's max_model_len below the model's context: tables longer by more than the slack
-    are cut to it (same rows), a later larger need grows them back, a small excess is kept, and
-    positions past the model's context are refused."""
+    are cut to it (same rows); a larger need grows them; a later smaller need (a second engine on
+    the same model) does not cut under the earlier one; positions past the context are refused,
+    naming the caller's what."""
     m = LlamaModel(TINY, INV)
     full = m.rope_cos.clone()
     m.fit_rope(2000)  # 48 rows x 8 x 4 bytes x 2 tables over: within the default slack
     assert m.rope_cos.shape == (2048, 8)
+    m = LlamaModel(TINY, INV)
     m.fit_rope(256, slack_bytes=1024)
     assert m.rope_cos.shape == m.rope_sin.shape == (256, 8) and torch.equal(m.rope_cos, full[:256])
-    m.fit_rope(1024)  # longer than the tables: rebuilt
+    m.fit_rope(1024, slack_bytes=1024)  # longer than the tables: rebuilt
     assert m.rope_cos.shape == (1024, 8) and torch.equal(m.rope_cos, full[:1024])
-    with pytest.raises(ValueError, match="rotary tables: 2049 positions, more than the model's context of 2048"):
-        m.fit_rope(2049)
+    m.fit_rope(300, slack_bytes=1024)  # another engine, shorter: the first still needs 1,024
+    assert m.rope_cos.shape == (1024, 8)
+    m.rope(torch.tensor([1023]), torch.float32)
+    with pytest.raises(ValueError, match="^--max-model-len: 2049 positions, more than the model's context of 2048 tokens$"):
+        m.fit_rope(2049, "--max-model-len")
 
 
 def test_the_model_keeps_its_own_copy_of_the_frequencies():

@@ -347,6 +347,7 @@ def serving_signals(lm, prompts: list[list[int]], layer: int, max_new: int, prog
     table = vocab_class_table(lm.tokenizer, lm.args.vocab_size).tolist()
     eos = set(lm.eos_token_ids or [])
     B = len(prompts)
+    model.fit_rope(max(len(p) for p in prompts) + max_new, "calibration prompts and their answers")
     kv = KVCache(lm.args, B, max(len(p) for p in prompts) + max_new, next(model.parameters()).dtype, str(device))
     if device.type == "cpu":
         decode_kernel.enable(kv, lm.args, verbose=progress)  # decode as the server decodes (when it can)
@@ -445,7 +446,7 @@ def build_library(lm, docs: list[Document], out_dir, cfg: BuildConfig | None = N
     layer = default_layer(lm.args.n_layers) if cfg.layer is None else cfg.layer
     if not 0 <= layer < lm.args.n_layers:
         raise ValueError(f"--layer {layer} is outside 0..{lm.args.n_layers - 1}")
-    lm.args.check_positions(cfg.window_tokens, f"--window-tokens {cfg.window_tokens}")
+    lm.model.fit_rope(cfg.window_tokens, f"--window-tokens {cfg.window_tokens}")
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     col, stats = collect(lm, docs, cfg, layer, progress)

@@ -134,7 +134,7 @@ def clause_anchor(lm, text: str, layer: int, top_k: int) -> dict:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"clause {text[:40]!r} has no tokens")
-    lm.args.check_positions(len(ids), f"clause {text[:40]!r}")
+    lm.model.fit_rope(len(ids), f"clause {text[:40]!r}")
     params = next(lm.model.parameters())
     T = len(ids)
     kv = KVCache(lm.args, 1, T, params.dtype, str(params.device))

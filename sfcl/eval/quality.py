@@ -22,7 +22,7 @@ def token_nll(model, args, ids: list[int], chunk: int, layer: int = 0, kv_dtype:
     ((len(ids) - 1,) float32 nats; position i predicts ids[i + 1]) and with ``keep_taps`` the hidden
     states after block ``layer`` ((len(ids) - 1, H) float32; else None). Raises ValueError when the
     positions would pass the model's context (len(ids) - 1 > ``args.max_position_embeddings``)."""
-    args.check_positions(len(ids) - 1, f"{len(ids)} tokens")
+    model.fit_rope(len(ids) - 1, f"{len(ids)} tokens")
     kv = KVCache(args, 1, len(ids) + 16, model.embed_tokens.weight.dtype, kv_dtype=kv_dtype)
     nll, taps = [], []
     for a in range(0, len(ids) - 1, chunk):

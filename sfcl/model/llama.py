@@ -52,7 +52,7 @@ class LlamaArgs:
         do not fit the model's context (``max_position_embeddings``): past it the rotary tables end
         (``LlamaModel.rope``) and the model was never trained there. The one check for every caller
         that feeds the model a text of its own choosing (the anchor builder's windows, a clause
-        anchor, a teacher-forced text); the engine bounds requests by ``max_model_len`` instead."""
+        anchor, a teacher-forced text, the engine's ``max_model_len``), through ``LlamaModel.fit_rope``."""
         if n_positions > self.max_position_embeddings:
             raise ValueError(f"{what}: {n_positions} positions, more than the model's context of "
                              f"{self.max_position_embeddings} tokens")
@@ -480,6 +480,7 @@ class LlamaModel(nn.Module):
         self.attention_scaling = attention_scaling
         for name in ("inv_freq", "rope_cos", "rope_sin"):  # (hd/2,), (P, hd/2), (P, hd/2)
             self.register_buffer(name, None, persistent=False)
+        self._rope_need = 0  # the most positions a caller has asked the tables for (fit_rope)
         self.set_rope(inv_freq, a.max_position_embeddings)
 
     def set_rope(self, inv_freq: torch.Tensor, n_positions: int) -> None:
@@ -493,16 +494,19 @@ class LlamaModel(nn.Module):
         self._rope_master = (inv, *rope_tables(inv, self.attention_scaling, n_positions))
         self._place_rope()
 
-    def fit_rope(self, n_positions: int, slack_bytes: int = 64 << 20) -> None:
-        """Rotary tables for at least ``n_positions`` positions: rebuilt for exactly that many when
-        shorter, or when longer by more than ``slack_bytes`` (the engine's ``max_model_len`` below a
-        long-context checkpoint's ``max_position_embeddings``: a 1M-position Qwen2.5 with head_dim
-        128 holds 0.5 GiB of tables; SmolLM2's 8,192 positions, 2 MiB, are never cut). Raises
-        ValueError past the model's context (``LlamaArgs.check_positions``)."""
-        self.a.check_positions(n_positions, "rotary tables")
+    def fit_rope(self, n_positions: int, what: str = "rotary tables", slack_bytes: int = 64 << 20) -> None:
+        """Make the rotary tables cover positions 0..n_positions-1 for a caller that will feed the
+        model that many: raises ValueError naming ``what`` past the model's context
+        (``LlamaArgs.check_positions``), grows the tables when they are shorter, and cuts them to the
+        most any caller has asked for so far when the rest would hold more than ``slack_bytes`` (the
+        engine's ``max_model_len`` under a long-context checkpoint: a 1M-position Qwen2.5 with
+        head_dim 128 held 0.5 GiB of tables; SmolLM2's 8,192 positions, 2 MiB, are never cut). A
+        later, smaller need never cuts under an earlier caller (two engines on one model)."""
+        self.a.check_positions(n_positions, what)
+        self._rope_need = max(self._rope_need, n_positions)
         have, half = self._rope_master[1].shape
-        if have < n_positions or (have - n_positions) * half * 4 * 2 > slack_bytes:
-            self.set_rope(self._rope_master[0], n_positions)
+        if have < self._rope_need or (have - self._rope_need) * half * 4 * 2 > slack_bytes:
+            self.set_rope(self._rope_master[0], self._rope_need)
 
     def _place_rope(self) -> None:
         """The rotary buffers: the float32 masters on the weights' device (on the CPU, the masters

@@ -103,18 +103,20 @@ class EngineEvents:
                     log.exception("error while closing the engine stream")
 
 
-def busy_error(retry_after_s: int, openai: bool) -> ApiError:
+def busy_error(retry_after_s: int, openai: bool, message: str | None = None) -> ApiError:
+    """The answer to a request the engine cannot take or finish now (429 OpenAI, 529 Anthropic, with
+    Retry-After); ``message`` overrides the queue-full wording (an engine that cut the generation)."""
     headers = {"Retry-After": str(max(1, int(retry_after_s)))}
     if openai:
-        return ApiError(429, "The server is overloaded (request queue full); retry later.",
+        return ApiError(429, message or "The server is overloaded (request queue full); retry later.",
                         openai_type="server_error", code="overloaded", headers=headers)
-    return ApiError(529, "Overloaded", headers=headers)
+    return ApiError(529, message or "Overloaded", headers=headers)
 
 
 def engine_error(ev: ErrorEvent, openai: bool) -> ApiError:
     """An ErrorEvent met before any output was committed -> an HTTP error."""
     if ev.type == "overloaded_error":
-        return busy_error(1, openai)
+        return busy_error(1, openai, ev.message or None)
     status = ANTHROPIC_STATUS.get(ev.type, 500)
     return ApiError(status, ev.message or "engine error", type=ev.type,
                     code=ev.type if openai else None)
@@ -197,6 +199,7 @@ async def collect(request: Request, events: EngineEvents, first: Any, rlog: Requ
         elif isinstance(ev, SnapshotEvent):
             rlog.token_seen(ev.token_index)
             out.snapshots.append(snapshot_dict(ev))
+            rlog.snapshots = len(out.snapshots)  # as they come: a client that leaves is logged with them
         elif isinstance(ev, Finished):
             out.finished = ev
             break
@@ -208,7 +211,6 @@ async def collect(request: Request, events: EngineEvents, first: Any, rlog: Requ
         except EngineBusyError:
             ev = ErrorEvent("Overloaded", "overloaded_error")
     out.text = "".join(parts)
-    rlog.snapshots = len(out.snapshots)
     return out
 
 

@@ -234,10 +234,10 @@ async def stream_frames(request: Request, api: ApiAdapter, req: Any, events: Eng
                 yield framing.snapshot(ev)
             elif isinstance(ev, Finished):
                 rlog.completion_tokens, rlog.ttft_ms = ev.completion_tokens, ev.ttft_ms
-                api.finished(rlog, ev.stop_reason)
-                if ev.stop_reason == "aborted":
+                if ev.stop_reason == "aborted":  # the client gets an error, not a finish
                     ev = ErrorEvent("generation was aborted by the server", "api_error")
                     continue
+                api.finished(rlog, ev.stop_reason)
                 for frame in framing.finish(ev):
                     yield frame
                 done = True

@@ -371,6 +371,8 @@ AnchorSearch::AnchorSearch(
   for (int64_t c = 0; c < C_; ++c)  // O(C): a decreasing entry would send the scan outside members
     TORCH_CHECK(off_[c] <= off_[c + 1], "anchor_search: offsets must not decrease (cell ", c, ")");
   const int32_t* mem = members.data_ptr<int32_t>();
+  for (int64_t j = 0; j < M; ++j)  // O(M), a few us: an id outside the anchors would read outside stored
+    TORCH_CHECK(mem[j] >= 0 && mem[j] < N_, "anchor_search: member id ", mem[j], " out of range for ", N_, " anchors");
   V_ = reinterpret_cast<const uint16_t*>(stored.data_ptr<at::Half>());
   C4_ = centroids.data_ptr<uint8_t>();
   L4_ = codes.data_ptr<uint8_t>();
@@ -548,10 +550,7 @@ void AnchorSearch::run(const at::Tensor& queries, float* S, int64_t* I, float* F
     }
     if (scanned < k) continue;  // short: the caller searches this row exactly
     int64_t n_cand = 0;
-    for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) {
-      TORCH_CHECK(cand[n_cand] < N_, "anchor_search: member id ", cand[n_cand], " out of range for ", N_, " anchors");
-      prefetch(V + cand[n_cand] * D, D * 2);
-    }
+    for (; n_cand < n_candidates && cand[n_cand] >= 0; ++n_cand) prefetch(V + cand[n_cand] * D, D * 2);
     float* s = S + b * k;
     int64_t* id = I + b * k;
     for (int64_t r = 0; r < n_cand; ++r) keep_best(s, id, k, dot_f16(V + cand[r] * D, q, D), cand[r]);
