@@ -282,6 +282,17 @@ def test_tokenizing_does_not_block_the_event_loop(serve):
 
 # -- busy, engine errors, 500s --------------------------------------------------------------
 
+def test_a_generation_cut_as_overloaded_keeps_the_engines_message(serve):
+    """An overloaded_error that ends a started generation (the graceful-shutdown deadline) is
+    answered as "overloaded" with the engine's words, not the queue-full message (a tester's find)."""
+    url, _ = serve(FakeEngine(error_after=2, error_type="overloaded_error",
+                              error_message="the server is shutting down; retry the request"))
+    assert anthropic_error(post(url, A, a_body()), 529, "overloaded_error") == \
+        "the server is shutting down; retry the request"
+    err = openai_error(post(url, O, o_body()), 429)
+    assert err["code"] == "overloaded" and err["message"] == "the server is shutting down; retry the request"
+
+
 def test_busy(serve):
     url, _ = serve(FakeEngine(busy=True, retry_after_s=2))
     r = post(url, A, a_body())
