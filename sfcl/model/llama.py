@@ -524,12 +524,14 @@ class LlamaModel(nn.Module):
         return self
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (...,) int64 in [0, ``max_position_embeddings``) -> cos, sin_signed (..., 1, hd)
-        in ``dtype``, broadcastable over heads; sin_signed is ``cat(-sin, sin)`` of the half-split
-        layout, what ``apply_rope`` multiplies by. Rows of the float32 tables (:func:`rope_tables`).
-        A position past the tables raises IndexError in eager CPU code (a RuntimeError when compiled,
-        a device-side assert on CUDA); callers keep positions inside the model's context (the
-        engine's ``max_model_len``, the builder's windows and calibration prompts)."""
+        """positions (...,) int64 within the tables (:meth:`fit_rope`; at most
+        ``max_position_embeddings``) -> cos, sin_signed (..., 1, hd) in ``dtype``, broadcastable over
+        heads; sin_signed is ``cat(-sin, sin)`` of the half-split layout, what ``apply_rope``
+        multiplies by. Rows of the float32 tables (:func:`rope_tables`). A position past the tables
+        raises IndexError in eager CPU code (a RuntimeError when compiled, a device-side assert on
+        CUDA); every caller declares its positions with :meth:`fit_rope` first (the engine its
+        ``max_model_len``, the builder its windows and calibration prompts, a clause anchor or a
+        teacher-forced text its length)."""
         cos = self.rope_cos[positions].to(dtype)  # (..., hd/2)
         sin = self.rope_sin[positions].to(dtype)
         return torch.cat((cos, cos), -1)[..., None, :], torch.cat((-sin, sin), -1)[..., None, :]

@@ -70,7 +70,6 @@ inline void keep_best(float* s, int64_t* ids, int64_t n, float v, int64_t id) {
   ids[t] = id;
 }
 
-
 // Int8 codes out (n,) of x (n,) float32 with one scale, returned: max |x| / 127 (at least FLT_MIN),
 // codes round(x / scale) half to even, as sfcl.library.index.int8_rows (torch.round of the same
 // quotient). A lookup quantises each query row three times (the groups', centroids' and anchors'
@@ -258,7 +257,9 @@ inline void prefetch(const void* p, int64_t n) {
 
 // Software prefetch over byte ranges read in order (one row's probed cells' codes), kept a fixed
 // distance ahead of the reader across the ranges' ends: the hardware's stream prefetcher stops at
-// each cell's end (and at 4 KB pages). See kScanAhead.
+// each cell's end (and at 4 KB pages). See kScanAhead. Only the first kMax ranges are prefetched
+// (an nprobe above 64 leaves the rest to the hardware); `issued` counts whole lines, so it runs up
+// to a line per range ahead of the bytes the reader counts.
 struct RangePrefetch {
   static constexpr int kMax = 64;
   const uint8_t* p[kMax];
@@ -279,9 +280,10 @@ struct RangePrefetch {
   }
 };
 
-// How far ahead of the member scan its codes are prefetched, in bytes. One row's scan, cold (after a
-// 64 MB copy), twenty-fifth session: the next cell's same rows only (before) 16-18 us, 1 KB ahead
-// 15-16 us; four rows searched together 53-66 us against 53-55 (scratch timings, default library).
+// How far ahead of the member scan its codes are prefetched, in bytes. The member scan, cold (after
+// a 64 MB copy; scratch timings, default library, twenty-fifth session): of one row 16-18 us with
+// only the next cell's same rows prefetched (before), 15-16 us 1 KB ahead; of four rows searched
+// together 63-66 us before, 55 us 1 KB ahead.
 constexpr int64_t kScanAhead = 1024;
 
 }  // namespace

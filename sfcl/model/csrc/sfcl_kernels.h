@@ -13,9 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
-#include <memory>
 #include <vector>
 
 namespace sfcl {
