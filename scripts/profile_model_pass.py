@@ -2,7 +2,7 @@
 
 Usage: python scripts/profile_model_pass.py [--windows 4 | --whole-corpus] [--window-tokens 1024] [--reps 2] [--profile]
        [--logit-stats both] [--elementwise both] [--snapshot-softmax both] [--attention both] [--ops]
-       [--logit-rows 128,512]
+       [--logit-rows 128,512] [--residual both]
 
 Runs the bundled model over ``--windows`` windows of the bundled sample corpus (or ``--corpus``, e.g.
 ``../shared/data/contractnli/dev.json``), prints the wall time
@@ -22,7 +22,10 @@ eager softmax and ``attention_dispersion``. ``--attention both`` alternates the 
 attention between SFCL's AMX kernel (``torch.ops.sfcl.causal_attention``;
 ``sfcl.anchors.model_pass.native_attention``, where the CPU and the kernels' build have AMX) and torch's
 causal SDPA. ``--logit-rows A,B`` alternates
-``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--ops`` first times
+``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--residual both``
+alternates how a layer's two projections into the residual stream add to it: inside the GEMM
+(``addmm_``; ``sfcl.anchors.model_pass.RESIDUAL_IN_GEMM``, the default) or as a product written and
+then added (``gemm``: ``h + o_proj(o)``, ``h + mlp(x)``). ``--ops`` first times
 the snapshot layer's attention with its dispersion over one window (SFCL's weights and entropies against torch's
 eager softmax), then each
 element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--elementwise", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--snapshot-softmax", choices=("native", "torch", "both"), default="native")
     ap.add_argument("--attention", choices=("native", "torch", "both"), default="native")
+    ap.add_argument("--residual", choices=("in-gemm", "gemm", "both"), default="in-gemm")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--corpus", nargs="*", help="corpus files (as `sfcl anchors build` takes them) whose text, "
                     "joined, gives the windows (default: the bundled sample corpus)")
@@ -93,10 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         amx_here = native_attention(torch.empty(1, 64, dtype=dtype))
     row_counts = [int(r) for r in a.logit_rows.split(",") if r] or [model_pass.LOGIT_ROWS]
-    default_rows = model_pass.LOGIT_ROWS
+    default_rows, default_residual = model_pass.LOGIT_ROWS, model_pass.RESIDUAL_IN_GEMM
+    residuals = {"in-gemm": [True], "gemm": [False], "both": [True, False]}[a.residual]
     try:
         for _ in range(a.reps):
-            for (ls, ew, sm, at), rows in ((m, r) for m in modes for r in row_counts):
+            for (ls, ew, sm, at), rows, res in ((m, r, x) for m in modes for r in row_counts for x in residuals):
+                model_pass.RESIDUAL_IN_GEMM = res
                 decode_kernel.loaded = (lambda: False) if ls == "torch" else loaded
                 llama.native_rows = (lambda x: False) if ew == "torch" else native_rows
                 model_pass.native_softmax = (lambda q: False) if sm == "torch" else native_softmax
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                          + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
                          + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax") + ", "
                          + ("SFCL's AMX attention" if on and at == "native" and amx_here else "torch's SDPA")
-                         + f", logits {rows} rows at a time")
+                         + f", logits {rows} rows at a time"
+                         + (", residual adds in the GEMMs" if res else ", residual adds after the GEMMs"))
                 what = (f"{len(docs)} documents, {st.tokens:,} tokens in {st.windows} windows" if a.whole_corpus
                         else f"{len(wins)} windows x {W} tokens")
                 print(f"{what} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         model_pass.native_softmax = native_softmax
         model_pass.native_attention = native_attention
         model_pass.LOGIT_ROWS = default_rows
+        model_pass.RESIDUAL_IN_GEMM = default_residual
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import contractnli_docs
 
-from sfcl.anchors.model_pass import _equal_runs, flops_per_token, logit_stats, run_windows
+from sfcl.anchors.model_pass import _equal_runs, add_linear_, flops_per_token, logit_stats, run_windows
 from sfcl.model import decode_kernel
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch
@@ -76,6 +76,21 @@ def test_equal_length_windows_share_one_attention_call(lm_fp32, windows):
     assert _equal_runs([len(w) for w in wins]) == [(0, 3, 100), (300, 1, 57)]
     assert _equal_runs([5, 5, 7, 5]) == [(0, 2, 5), (10, 1, 7), (17, 1, 5)]
     _assert_each_as_alone(lm_fp32, wins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_linear_adds_the_layers_output_in_place(dtype):
+    torch.manual_seed(0)
+    h0, x = torch.randn(37, 24, dtype=dtype), torch.randn(37, 40, dtype=dtype)
+    lin = torch.nn.Linear(40, 24, bias=False).to(dtype)
+    h = h0.clone()
+    assert add_linear_(h, x, lin) is h
+    tol = 1e-5 if dtype == torch.float32 else 0.05  # bf16: one rounding of the sum instead of two
+    torch.testing.assert_close(h, h0 + lin(x), atol=tol, rtol=tol)
+    biased = torch.nn.Linear(40, 24, bias=True).to(dtype)  # not a bias-free Linear: its output is added
+    h = h0.clone()
+    add_linear_(h, x, biased)
+    torch.testing.assert_close(h, h0 + biased(x), atol=tol, rtol=tol)
 
 
 def test_bad_windows(lm):

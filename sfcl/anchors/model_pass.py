@@ -91,6 +91,19 @@ def logit_stats(logits: torch.Tensor, nxt: torch.Tensor, top_k: int) -> tuple[to
     return (tv - lse[:, None]).exp(), ti, lse - logits.gather(1, nxt[:, None])[:, 0]
 
 
+RESIDUAL_IN_GEMM = True
+
+
+def add_linear_(h: torch.Tensor, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
+    """h += lin(x) in place: h (N, H), x (N, in) in h's dtype. A bias-free ``nn.Linear`` adds its
+    product into h inside the GEMM (``addmm_``, beta = 1: the sum in the GEMM's float32 accumulators,
+    rounded once), instead of writing the product and reading both back for the add. Other layers
+    (weight-quantized ones) add their output. Returns h."""
+    if type(lin) is torch.nn.Linear and lin.bias is None and lin.weight.dtype == h.dtype == x.dtype:
+        return h.addmm_(x, lin.weight.t())
+    return h.add_(lin(x))
+
+
 def native_softmax(q: torch.Tensor) -> bool:
     """Whether the snapshot layer's weights and entropies come from the native kernel
     (``torch.ops.sfcl.causal_softmax_entropy_``): a CPU tensor in float32 / bf16 / fp16, SFCL's
@@ -195,10 +208,17 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
                 b = a + n * T
                 qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]) for x in (q, k, v))  # (n, T, heads, hd)
                 outs.append(windows_attention(qb, kb, vb, attn.scale, amx))  # (n T, nh hd)
-        h = h + attn.o_proj(torch.cat(outs)[None])  # (1, N, H)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (N, nh hd)
+        if RESIDUAL_IN_GEMM:
+            add_linear_(h[0], o, attn.o_proj)
+            mlp = layer.mlp
+            x = layer.post_attention_layernorm(h[0])  # (N, H)
+            add_linear_(h[0], mlp.act(mlp.gate_up_proj(x)), mlp.down_proj)
+        else:
+            h = h + attn.o_proj(o[None])  # (1, N, H)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         if i == tap_layer:
-            tap, disp = h[0], disps  # (N, H)
+            tap, disp = h[0].clone(), disps  # (N, H): later layers add into h in place
     # rows with a next token inside their window: all but each window's last position
     rows = torch.cat([torch.arange(a, b - 1, device=dev) for a, b in zip(starts[:-1], starts[1:])])  # (R,)
     nxt = ids[rows + 1]  # (R,)

@@ -409,12 +409,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x):
-        gu = self.gate_up_proj(x)  # (..., 2 I)
+    @staticmethod
+    def act(gu: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of gu (..., 2 I) = cat(gate, up) -> (..., I), in gu's dtype."""
         if native_rows(gu):
-            return self.down_proj(torch.ops.sfcl.silu_mul(gu))
+            return torch.ops.sfcl.silu_mul(gu)
         gate, up = gu.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # gate_up (..., 2 I) -> (..., H)
 
 
 class Block(nn.Module):
