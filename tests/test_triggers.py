@@ -113,8 +113,6 @@ def test_trigger_config_validation():
     (" 2025", entity.DIGIT), ("$", entity.CURRENCY), (" March", entity.MONTH | entity.CAP),
     (" Section", entity.REFWORD | entity.CAP), (" Acme", entity.CAP), (".", entity.SENT_END | entity.CONT),
     ("\n", entity.SENT_END), (" the", 0), ("b", entity.CONT), (" USD", entity.CURRENCY | entity.CAP),
-    # number words as the number check reads them: the whole lower-case word after a space
-    (" thirty", entity.DIGIT), (" three", entity.DIGIT), (" Three", entity.CAP), ("three", 0), (" threefold", 0),
 ])
 def test_token_classes(text, bits):
     assert entity.token_classes(text) == bits
@@ -133,8 +131,6 @@ def test_entity_span_rules():
 
     # capitalised word at sentence start is not a name; "Acme" mid-sentence is
     assert walk(["The", " party", " Acme", " Corp", " shall"]) == [False, False, True, True, False]
-    # "thirty (30) days": a number word opens the span as the digits do, and the unit continues it
-    assert walk([" within", " thirty", " (", "30", ")", " days", " of"]) == [False, True, True, True, True, True, False]
     # "Clause 7(b)": reference word, digit, then continuation tokens inside the span
     assert walk([" under", " Clause", " 7", "(", "b", ")", " of"]) == [False, True, True, True, True, True, False]
     # a lone "(" outside an entity is not an entity

@@ -2,9 +2,7 @@
 
 Each vocabulary entry gets a bit set computed once from its decoded text (shape (V,), uint8):
 
-- ``DIGIT``     the token contains a digit ("5", " 2025", "30") or is a number word as the number
-                check reads one: the whole lower-case word after a space (" thirty", " three";
-                ``sfcl.snapshot.source.number_word``)
+- ``DIGIT``     the token contains a digit ("5", " 2025", "30")
 - ``CURRENCY``  a currency sign or code ("$", "€", "£", " USD", " EUR")
 - ``MONTH``     an English month name (" March", "January")
 - ``REFWORD``   a reference word that introduces a citation (" Section", " Clause", " Article",
@@ -26,8 +24,6 @@ from __future__ import annotations
 import re
 
 import torch
-
-from sfcl.snapshot.source import number_word
 
 DIGIT, CURRENCY, MONTH, REFWORD, CAP, SENT_END, CONT = (1 << i for i in range(7))
 IN_ENTITY = 1 << 7  # state bit: "this token was inside an entity-like span"
@@ -54,7 +50,7 @@ def token_classes(text: str) -> int:
     if not t:  # white space: a lone " " (tokenizers that split digits put one before a number) continues a span
         return bits if bits or not text else CONT
     low = t.lower()
-    if any(c.isdigit() for c in t) or number_word(text) is not None:
+    if any(c.isdigit() for c in t):
         bits |= DIGIT
     if any(c in "$€£¥₹" for c in t) or low in _CURRENCY_CODES:
         bits |= CURRENCY

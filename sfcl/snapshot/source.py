@@ -67,15 +67,9 @@ def canonical_form(text: str) -> str:
         return ""
     t = t.strip(".,;:()[]\"'’“”")
     t = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in t)
-    return number_word(text) or t
-
-
-def number_word(text: str) -> str | None:
-    """The digits of a vocabulary entry that is a whole lower-case number word after a space
-    (" thirty" -> "30", " one" -> "1"), else None: the one spelling of a number word that
-    :func:`canonical_form` and the entity classes (``sfcl.snapshot.entity.token_classes``) read as
-    a number (why only this one: :func:`canonical_form`)."""
-    return _NUM.get(text.strip()) if text[:1] == " " else None
+    if t in _NUM and text[:1] == " " and text.strip() == t:
+        return _NUM[t]
+    return t
 
 
 NUM_START, NUM_END = -1, -2  # markers around every number in a canonical run (never a table id)
