@@ -8,9 +8,9 @@ tokens of each of the first ``--prompts`` ContractNLI documents that long, each 
 token generated: once with SFCL's element-wise operators (``torch.ops.sfcl.rms_norm``, ``silu_mul``,
 ``rope_``; ``sfcl.model.llama.native_rows``) and once with torch's, in alternating order. The two
 copies differ in their first token, so neither reuses the other's prefix-cache blocks. Prints the
-wall time of each (the prompt's prefill and the first token) and the medians. What the figure
-means on a CPU where ``--dtype auto`` picks float32: nothing (float32 always takes torch's
-operators, and the two columns run the same code).
+wall time of each (the prompt's prefill and the first token) and the medians. On a CPU where
+``--dtype auto`` picks float32 the operators run in float32 (since the twenty-seventh session; before,
+float32 always took torch's operators).
 """
 
 from __future__ import annotations

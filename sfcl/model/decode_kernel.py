@@ -11,7 +11,7 @@ AVX-512), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``, the int4 weights'
 activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: CPUs below AVX-512),
 ``torch.ops.sfcl.logit_stats`` (``logit_stats.cpp``, the anchor builder's per-row logsumexp, top-k and
 surprisal in one pass; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.rms_norm`` / ``silu_mul`` / ``rope_``
-(``elementwise.cpp``, a decoder layer's element-wise steps over many 16-bit rows, one loop each, for
+(``elementwise.cpp``, a decoder layer's element-wise steps over many float32 or 16-bit rows, one loop each, for
 prompt chunks and the anchor builder; ``sfcl.model.llama``), ``torch.ops.sfcl.causal_softmax_entropy_``
 (``attention_entropy.cpp``, the snapshot layer's causal attention weights and their entropy over a
 window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.causal_attention``
@@ -76,8 +76,12 @@ HEADERS = (CSRC / "sfcl_kernels.h", CSRC / "elementwise.h")
 # 512-bit vectors instead of g++'s default 256 (SiLU * up over a 4,096 x 1,536 bf16 block: 4.7 vs
 # 6.6 ms on one thread of the Intel Xeon with AMX, torch's operators 4.9; a decode step unchanged,
 # 5.8-6.3 vs 5.9-6.2 ms, 2026-12-05); without AVX-512 it changes nothing.
+# -fno-trapping-math: the loops may compute both sides of a select (no FP exception is ever unmasked
+# here, so no value changes): without AVX-512's masks g++ otherwise leaves a loop with a select around
+# an FP operation scalar ("control flow in loop"), and on AVX2 builds that had kept SiLU * up scalar,
+# in the fused decode layers too (twenty-seventh session; -fopt-info-vec-missed).
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
-CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"]
+CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats",
        "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_", "causal_attention",

@@ -95,11 +95,11 @@ def args_from_config(cfg) -> LlamaArgs:
 
 def native_rows(x: torch.Tensor) -> bool:
     """Whether SFCL's element-wise operators (``torch.ops.sfcl.rms_norm`` / ``silu_mul`` / ``rope_``,
-    ``csrc/elementwise.cpp``) take ``x``: a contiguous bf16 / float16 CPU tensor, the kernel library
-    loaded (``decode_kernel.loaded``), no autograd, and not under torch.compile (which fuses these
-    steps itself). Elsewhere torch's operators run: the same arithmetic up to the order of RMSNorm's
-    float32 sum and SiLU's exp; float32 always takes torch's."""
-    return (not torch.compiler.is_compiling() and x.dtype in (torch.bfloat16, torch.float16)
+    ``csrc/elementwise.cpp``) take ``x``: a contiguous float32 / bf16 / float16 CPU tensor, the kernel
+    library loaded (``decode_kernel.loaded``), no autograd, and not under torch.compile (which fuses
+    these steps itself). Elsewhere torch's operators run: the same arithmetic up to the order of
+    RMSNorm's float32 sum and SiLU's exp."""
+    return (not torch.compiler.is_compiling() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and x.device.type == "cpu" and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())
             and decode_kernel.loaded())
 
@@ -111,10 +111,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if self.weight.dtype == x.dtype and native_rows(x):  # one pass over the rows
             return torch.ops.sfcl.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like the reference implementations, return the input dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -9,11 +9,13 @@
 // weight); the element-wise steps between them are single loops here, rounding to the model
 // dtype after each operation exactly where the torch operators do (bf16: x * cos, swapped * sin
 // and their sum are each rounded; the library is built with -ffp-contract=off, so no product is
-// fused into an add), so a 16-bit model matches the Python forward up to the order of RMSNorm's
-// float32 sum and the exp in SiLU. A float32 model takes RMSNorm and SiLU * up from torch's own
-// operators (at::rms_norm, at::silu, at::mul: a few microseconds per layer), so there the result
-// is the Python forward's bit for bit, also where the packed kernels round activations to bf16
-// and a last-bit difference would otherwise flip a rounding and grow through the layers.
+// fused into an add). The Python forward runs the same loops (elementwise.h, through
+// torch.ops.sfcl.rms_norm / silu_mul / rope_ wherever sfcl.model.llama.native_rows allows), so the
+// two agree bit for bit, also where the packed kernels round activations to bf16 and a last-bit
+// difference would otherwise flip a rounding and grow through the layers; against torch's own
+// operators (the Python forward without SFCL's kernels, or under torch.compile) a step differs by
+// the order of RMSNorm's float32 sum and the exp in SiLU. Until the twenty-seventh session a
+// float32 model took RMSNorm and SiLU * up from torch's operators here, as its Python forward did.
 //
 // Why: at one stream a step of SmolLM2-135M is ~2,000 small torch operators called from Python
 // (~68 per layer), which cost about as much as the weights' GEMVs themselves
@@ -33,7 +35,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -66,29 +67,19 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const
   return y;
 }
 
-// RMSNorm(h) * w (B, H), as sfcl.model.llama.RMSNorm computes it for T (see the header): written
-// into xn for 16-bit T, a new tensor from F.rms_norm's own operator for float32.
+// RMSNorm(h) * w (B, H) written into xn, as sfcl.model.llama.RMSNorm computes it for T (see the header).
 template <typename T>
 at::Tensor normed(const at::Tensor& h, const at::Tensor& w, at::Tensor& xn, float eps) {
-  const int64_t B = h.size(0), H = h.size(1);
-  if constexpr (std::is_same_v<T, float>) {
-    return at::rms_norm(h, {H}, w, static_cast<double>(eps));
-  } else {
-    rms_norm<T>(h.data_ptr<T>(), w.data_ptr<T>(), xn.data_ptr<T>(), B, H, eps);
-    return xn;
-  }
+  rms_norm<T>(h.data_ptr<T>(), w.data_ptr<T>(), xn.data_ptr<T>(), h.size(0), h.size(1), eps);
+  return xn;
 }
 
-// act (B, I) <- SiLU(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up; torch's operators for float32).
+// act (B, I) <- SiLU(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up, rounded to T after each operation).
 template <typename T>
 at::Tensor silu_times_up(const at::Tensor& gu, int64_t I) {
-  if constexpr (std::is_same_v<T, float>) {
-    return at::mul(at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
-  } else {
-    at::Tensor act = at::empty({gu.size(0), I}, gu.options());
-    silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), gu.size(0), I);
-    return act;
-  }
+  at::Tensor act = at::empty({gu.size(0), I}, gu.options());
+  silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), gu.size(0), I);
+  return act;
 }
 
 // Checks that a projection's output is (B, N) before a loop reads B * N of it.
