@@ -115,9 +115,43 @@ def test_rms_norm_module_takes_the_operator_for_16_bit_rows(kernel, monkeypatch)
         return op(*a)
 
     monkeypatch.setattr(torch.ops.sfcl, "rms_norm", spy)
-    n(x)
-    n(x.float().bfloat16().t().contiguous().t())  # a transposed view: torch's operators
+    with torch.no_grad():
+        n(x)
+        n(x.float().bfloat16().t().contiguous().t())  # a transposed view: torch's operators
     assert calls == [(5, 64)]
+    out = n(x)  # grad mode on and a weight that requires grad: the operator has no autograd kernel
+    assert calls == [(5, 64)] and out.requires_grad
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_rms_norm_module_keeps_the_weights_gradient(kernel, dtype):
+    """x without grad, a trained weight: torch's operators, so backward reaches the weight."""
+    n = RMSNorm(16, 1e-5).to(dtype)
+    x = torch.randn(3, 16).to(dtype)
+    n(x).float().sum().backward()
+    ref = RMSNorm(16, 1e-5).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(n(x), torch.ops.sfcl.rms_norm(x, n.weight, 1e-5))  # the served path: the operator
+    _torch_rms_norm(x, ref.weight, 1e-5).float().sum().backward() if dtype != torch.float32 else \
+        F.rms_norm(x, (16,), ref.weight, 1e-5).sum().backward()
+    assert n.weight.grad is not None
+    torch.testing.assert_close(n.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_at_extreme_gates_is_torchs(kernel, dtype):
+    """Gates past exp's clamp (-87) give SiLU's limit, -0 (x e^x underflows), not x e^-87, which had
+    grown to -4.9 at -3e38; -inf gives NaN and NaN stays NaN, as in torch."""
+    big = 3e38 if dtype == torch.float32 else (6e4 if dtype == torch.float16 else 3e38)
+    g = torch.tensor([-float("inf"), -big, -big / 30, -1e4, -200.0, -100.0, -88.0, 88.0, 200.0, big,
+                      float("inf"), float("nan")]).to(dtype)
+    up = torch.ones_like(g)
+    got = torch.ops.sfcl.silu_mul(torch.cat([g, up])[None])[0]
+    ref = F.silu(g) * up
+    assert torch.equal(got.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    a, b = got[ok].float(), ref[ok].float()
+    assert bool(((a == b) | ((a - b).abs() <= 1e-30 + 2 ** -7 * b.abs())).all()), (got, ref)  # inf == inf
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))

@@ -111,7 +111,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == x.dtype and native_rows(x):  # one pass over the rows
+        if (self.weight.dtype == x.dtype and native_rows(x)  # one pass over the rows; no autograd kernel,
+                and not (self.weight.requires_grad and torch.is_grad_enabled())):  # so not for a trained weight
             return torch.ops.sfcl.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
