@@ -132,8 +132,8 @@ def test_rms_norm_module_keeps_the_weights_gradient(kernel, dtype):
     ref = RMSNorm(16, 1e-5).to(dtype)
     with torch.no_grad():
         assert torch.equal(n(x), torch.ops.sfcl.rms_norm(x, n.weight, 1e-5))  # the served path: the operator
-    _torch_rms_norm(x, ref.weight, 1e-5).float().sum().backward() if dtype != torch.float32 else \
-        F.rms_norm(x, (16,), ref.weight, 1e-5).sum().backward()
+    torch_norm = F.rms_norm(x, (16,), ref.weight, 1e-5) if dtype == torch.float32 else _torch_rms_norm(x, ref.weight, 1e-5)
+    torch_norm.float().sum().backward()
     assert n.weight.grad is not None
     torch.testing.assert_close(n.weight.grad, ref.weight.grad)
 

@@ -78,8 +78,8 @@ HEADERS = (CSRC / "sfcl_kernels.h", CSRC / "elementwise.h")
 # 5.8-6.3 vs 5.9-6.2 ms, 2026-12-05); without AVX-512 it changes nothing.
 # -fno-trapping-math: the loops may compute both sides of a select (no FP exception is ever unmasked
 # here, so no value changes): without AVX-512's masks g++ otherwise leaves a loop with a select around
-# an FP operation scalar ("control flow in loop"), and on AVX2 builds that had kept SiLU * up scalar,
-# in the fused decode layers too (twenty-seventh session; -fopt-info-vec-missed).
+# an FP operation scalar ("control flow in loop"): on AVX2 builds elementwise.h's SiLU * up loop, which
+# float32 rows take since the twenty-seventh session, was scalar (-fopt-info-vec-missed).
 MARCH = os.environ.get("SFCL_KERNEL_MARCH") or "native"
 CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
