@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             for (ls, ew, sm, at), rows, res in ((m, r, x) for m in modes for r in row_counts for x in residuals):
                 model_pass.RESIDUAL_IN_GEMM = res
                 decode_kernel.loaded = (lambda: False) if ls == "torch" else loaded
-                llama.native_rows = (lambda x: False) if ew == "torch" else native_rows
+                llama.native_rows = (lambda *x: False) if ew == "torch" else native_rows
                 model_pass.native_softmax = (lambda q: False) if sm == "torch" else native_softmax
                 model_pass.native_attention = (lambda q: False) if at == "torch" else native_attention
                 model_pass.LOGIT_ROWS = rows

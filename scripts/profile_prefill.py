@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for i, p in enumerate(prompts):
             for j, mode in enumerate(("SFCL's", "torch's") if i % 2 == 0 else ("torch's", "SFCL's")):
-                llama.native_rows = native_rows if mode == "SFCL's" else (lambda x: False)
+                llama.native_rows = native_rows if mode == "SFCL's" else (lambda *x: False)
                 first = 1000 + 2 * i + (mode == "torch's")  # a first token of its own: no prefix-cache hit
                 eng.add_request(f"{i}-{j}", [first] + p[1:], SamplingParams(max_tokens=1, temperature=0.0))
                 t0 = time.perf_counter()

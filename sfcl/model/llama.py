@@ -93,14 +93,18 @@ def args_from_config(cfg) -> LlamaArgs:
     )
 
 
-def native_rows(x: torch.Tensor) -> bool:
+def native_rows(x: torch.Tensor, *more: torch.Tensor) -> bool:
     """Whether SFCL's element-wise operators (``torch.ops.sfcl.rms_norm`` / ``silu_mul`` / ``rope_``,
-    ``csrc/elementwise.cpp``) take ``x``: a contiguous float32 / bf16 / float16 CPU tensor, the kernel
-    library loaded (``decode_kernel.loaded``), no autograd, and not under torch.compile (which fuses
-    these steps itself). Elsewhere torch's operators run: the same arithmetic up to the order of
-    RMSNorm's float32 sum and SiLU's exp."""
-    return (not torch.compiler.is_compiling() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and x.device.type == "cpu" and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled())
+    ``csrc/elementwise.cpp``) take ``x`` and the other tensors ``more`` they read (RMSNorm's weight):
+    contiguous float32 / bf16 / float16 CPU tensors of one dtype, none needing autograd (the operators
+    have no autograd kernel), the kernel library loaded (``decode_kernel.loaded``), and not under
+    torch.compile (which fuses these steps itself). Elsewhere torch's operators run: the same
+    arithmetic up to the order of RMSNorm's float32 sum and SiLU's exp."""
+    if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    grad = torch.is_grad_enabled()
+    return (all(t.dtype == x.dtype and t.device.type == "cpu" and t.is_contiguous() and not (t.requires_grad and grad)
+                for t in (x, *more))
             and decode_kernel.loaded())
 
 
@@ -111,8 +115,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.weight.dtype == x.dtype and native_rows(x)  # one pass over the rows; no autograd kernel,
-                and not (self.weight.requires_grad and torch.is_grad_enabled())):  # so not for a trained weight
+        if native_rows(x, self.weight):  # one pass over the rows
             return torch.ops.sfcl.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one call into C++ for the same fp32 arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
