@@ -19,8 +19,8 @@ with the kernels unloaded, so with torch's element-wise operators too). ``--snap
 alternates the snapshot layer's attention weights and entropies between SFCL's one-pass kernel
 (``torch.ops.sfcl.causal_softmax_entropy_``; ``sfcl.anchors.model_pass.native_softmax``) and torch's
 eager softmax and ``attention_dispersion``. ``--attention both`` alternates the other layers' causal
-attention between SFCL's AMX kernel (``torch.ops.sfcl.causal_attention``;
-``sfcl.anchors.model_pass.native_attention``, where the CPU and the kernels' build have AMX) and torch's
+attention between SFCL's kernel (``torch.ops.sfcl.causal_attention``, on AMX tiles or AVX-512 BF16 vectors;
+``sfcl.anchors.model_pass.native_attention``, where the CPU and the kernels' build have AVX-512 BF16) and torch's
 causal SDPA. ``--logit-rows A,B`` alternates
 ``sfcl.anchors.model_pass.LOGIT_ROWS`` (rows of logits made and reduced at once) rep by rep. ``--residual both``
 alternates how a layer's two projections into the residual stream add to it: inside the GEMM
@@ -30,7 +30,7 @@ the snapshot layer's attention with its dispersion over one window (SFCL's weigh
 eager softmax), then each
 element-wise step alone on one block of ``windows x window_tokens`` rows of the model's shapes, on 1
 and 2 threads: SFCL's operator against the torch operators ``sfcl.model.llama`` runs without it, and
-(where it runs) SFCL's AMX causal attention over those rows as windows of 1,024 against causal SDPA.
+(where it runs) SFCL's causal attention over those rows as windows of 1,024 against causal SDPA.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                for ls in pick[a.logit_stats] for ew in pick[a.elementwise]  # torch's logits
                                for sm in pick[a.snapshot_softmax] for at in pick[a.attention]))  # reductions: kernels unloaded
     with torch.inference_mode():
-        amx_here = native_attention(torch.empty(1, 64, dtype=dtype))
+        native_here = native_attention(torch.empty(1, 64, dtype=dtype))
     row_counts = [int(r) for r in a.logit_rows.split(",") if r] or [model_pass.LOGIT_ROWS]
     default_rows, default_residual = model_pass.LOGIT_ROWS, model_pass.RESIDUAL_IN_GEMM
     residuals = {"in-gemm": [True], "gemm": [False], "both": [True, False]}[a.residual]
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
                          + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
                          + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax") + ", "
-                         + ("SFCL's AMX attention" if on and at == "native" and amx_here else "torch's SDPA")
+                         + (("SFCL's AMX attention" if torch.ops.sfcl.causal_attention_amx() else "SFCL's AVX-512 BF16 attention") if on and at == "native" and native_here else "torch's SDPA")
                          + f", logits {rows} rows at a time"
                          + (", residual adds in the GEMMs" if res else ", residual adds after the GEMMs"))
                 what = (f"{len(docs)} documents, {st.tokens:,} tokens in {st.windows} windows" if a.whole_corpus
@@ -180,7 +180,7 @@ def _time_ops(lm, rows: int) -> None:
         "rotary": (lambda: torch.ops.sfcl.rope_(qkv, cos, sin, nr, hd),
                    lambda: apply_rope(qkv[:, :nr * hd].view(rows, nr, hd), cos[:, None], sin[:, None])),
     }
-    if dt == torch.bfloat16 and torch.ops.sfcl.causal_attention_ready():  # SFCL's AMX kernel against causal SDPA
+    if dt == torch.bfloat16 and torch.ops.sfcl.causal_attention_ready():  # SFCL's kernel against causal SDPA
         cases[f"causal attention ({nw} windows)"] = (
             lambda: windows_attention(aq, ak, av, hd ** -0.5, True), lambda: windows_attention(aq, ak, av, hd ** -0.5, False))
     threads = torch.get_num_threads()

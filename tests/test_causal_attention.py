@@ -1,8 +1,9 @@
-"""The anchor builder's causal attention on AMX tiles (``torch.ops.sfcl.causal_attention``;
-``csrc/causal_attention.cpp``) against torch's causal SDPA, its errors, and the builder's pass
-(``sfcl.anchors.model_pass.run_windows``) with it against the same pass on torch's SDPA. The kernel
-runs only where the CPU has AMX-BF16 and SFCL's kernels were built for it; elsewhere these tests
-check that it says so and that the builder keeps torch's SDPA."""
+"""The anchor builder's causal attention (``torch.ops.sfcl.causal_attention``;
+``csrc/causal_attention.cpp``), on AMX tiles and on AVX-512 BF16 vectors, against torch's causal SDPA,
+its errors, and the builder's pass (``sfcl.anchors.model_pass.run_windows``) with it against the same
+pass on torch's SDPA. The kernel runs where the CPU has AVX-512 BF16 and SFCL's kernels were built for
+it (its AMX path where the CPU also has AMX-BF16; the vector path is tested there too, with
+``amx=False``); elsewhere these tests check that it says so and that the builder keeps torch's SDPA."""
 
 import pytest
 import torch
@@ -20,9 +21,17 @@ def kernel():
 
 
 @pytest.fixture(scope="module")
-def amx(kernel):
+def native(kernel):
     if not torch.ops.sfcl.causal_attention_ready():
+        pytest.skip("no AVX-512 BF16 here (or SFCL's kernels were built without it: $SFCL_KERNEL_MARCH)")
+
+
+@pytest.fixture(params=("amx", "vectors"))
+def amx(native, request):
+    """Which path: AMX tiles (where they run) or AVX-512 BF16 vectors (wherever the kernel runs)."""
+    if request.param == "amx" and not torch.ops.sfcl.causal_attention_amx():
         pytest.skip("no AMX here (or SFCL's kernels were built without it: $SFCL_KERNEL_MARCH)")
+    return request.param == "amx"
 
 
 def _qkv(n, T, nh, nkv, seed, spread=1.0):
@@ -48,7 +57,7 @@ def _sdpa(q, k, v, dtype):
 def test_matches_torchs_sdpa(amx, n, T, nh, nkv, spread):
     """Within the error of torch's own bf16 SDPA against float32 (both round P to bf16 before P V)."""
     q, k, v = _qkv(n, T, nh, nkv, seed=n * 10_000 + T, spread=spread)
-    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125)
+    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
     assert got.shape == (n, T, nh, 64) and got.dtype == torch.bfloat16 and got.is_contiguous()
     ref = _sdpa(q, k, v, torch.float32)
     err = (got.float() - ref).abs().max().item()
@@ -61,9 +70,9 @@ def test_matches_torchs_sdpa(amx, n, T, nh, nkv, spread):
 def test_each_window_attends_from_its_own_start(amx):
     """A batch of windows equals each window alone: no key of one window is seen by another."""
     q, k, v = _qkv(3, 96, 9, 3, seed=5)
-    together = torch.ops.sfcl.causal_attention(q, k, v, 0.125)
+    together = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
     for w in range(3):
-        alone = torch.ops.sfcl.causal_attention(q[w : w + 1], k[w : w + 1], v[w : w + 1], 0.125)
+        alone = torch.ops.sfcl.causal_attention(q[w : w + 1], k[w : w + 1], v[w : w + 1], 0.125, amx)
         assert torch.equal(together[w : w + 1], alone)
 
 
@@ -76,7 +85,7 @@ def test_each_window_attends_from_its_own_start(amx):
     (lambda q, k, v: (q.transpose(2, 3), k, v), "head size must be 64"),
     (lambda q, k, v: (q.requires_grad_(), k, v), "no autograd"),
 ])
-def test_bad_input_is_refused(amx, bad, match):
+def test_bad_input_is_refused(native, bad, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.sfcl.causal_attention(*bad(*_qkv(1, 8, 9, 3, seed=1)), 0.125)
 
@@ -91,7 +100,7 @@ def test_nan_scores_make_their_rows_nan(amx, where):
         q[0, 7, 2] = float("nan")  # token 7, head 2
     if where == "k":
         k[0, 5, 1] = float("nan")  # key 5 of KV head 1: heads 3-5 of tokens >= 5
-    got = torch.ops.sfcl.causal_attention(q, k, v, scale).isnan().any(-1)[0]  # (T, nh) rows with a NaN
+    got = torch.ops.sfcl.causal_attention(q, k, v, scale, amx).isnan().any(-1)[0]  # (T, nh) rows with a NaN
     want = torch.zeros(40, 9, dtype=torch.bool)
     if where == "q":
         want[7, 2] = True
@@ -102,10 +111,14 @@ def test_nan_scores_make_their_rows_nan(amx, where):
     assert torch.equal(got, want)
 
 
-def test_without_amx_it_says_so_and_the_builder_keeps_sdpa(kernel):
+def test_the_amx_path_runs_only_where_the_kernel_does(kernel):
+    assert not torch.ops.sfcl.causal_attention_amx() or torch.ops.sfcl.causal_attention_ready()
+
+
+def test_without_avx512_bf16_it_says_so_and_the_builder_keeps_sdpa(kernel):
     if torch.ops.sfcl.causal_attention_ready():
-        pytest.skip("AMX runs here")
-    with pytest.raises(RuntimeError, match="AMX"):
+        pytest.skip("AVX-512 BF16 runs here")
+    with pytest.raises(RuntimeError, match="AVX-512 BF16"):
         torch.ops.sfcl.causal_attention(*_qkv(1, 8, 9, 3, seed=1), 0.125)
     with torch.inference_mode():
         assert not model_pass.native_attention(torch.empty(1, 64, dtype=torch.bfloat16))
@@ -120,7 +133,7 @@ def test_builder_uses_it_only_for_bf16_head_size_64(kernel):
 
 
 @pytest.mark.slow
-def test_builders_pass_with_it_matches_the_pass_on_sdpa(amx, lm, monkeypatch):
+def test_builders_pass_with_it_matches_the_pass_on_sdpa(native, lm, monkeypatch):
     """run_windows over real NDA windows in bf16 (two of one length, one shorter): the tap hidden
     states, surprisals and next-token choices with the kernel against the same pass on torch's SDPA.
     bf16 rounds differently in the two attentions, so the states agree to bf16 rounding carried

@@ -18,8 +18,8 @@ returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers
 
 Windows are packed into batches of at most ``batch_tokens`` tokens: every linear layer runs once
 over the whole batch, attention once per run of equal-length windows with the windows as its batch
-(``torch.ops.sfcl.causal_attention``, SFCL's AMX kernel, where :func:`native_attention`; torch's
-causal SDPA elsewhere), except at the snapshot layer, whose weights the dispersion needs: there per window,
+(``torch.ops.sfcl.causal_attention``, SFCL's kernel on AMX tiles or AVX-512 BF16 vectors, where
+:func:`native_attention`; torch's causal SDPA elsewhere), except at the snapshot layer, whose weights the dispersion needs: there per window,
 the scores by one matmul and the causal softmax with each row's entropy by one native pass
 (``torch.ops.sfcl.causal_softmax_entropy_``; torch's eager softmax where SFCL's kernels are not
 loaded). A window is one causal pass from position 0, so no
@@ -116,20 +116,22 @@ def native_softmax(q: torch.Tensor) -> bool:
 
 
 def native_attention(q: torch.Tensor) -> bool:
-    """Whether a layer's causal attention (all but the snapshot layer's) runs on SFCL's AMX kernel
-    (``torch.ops.sfcl.causal_attention``): a CPU bf16 tensor with head size 64, SFCL's kernels loaded
-    and built with AMX, the OS granting the tile state, no autograd. Elsewhere torch's causal SDPA."""
+    """Whether a layer's causal attention (all but the snapshot layer's) runs on SFCL's kernel
+    (``torch.ops.sfcl.causal_attention``: on AMX tiles where the CPU has AMX and the OS grants the tile
+    state, else with AVX-512 BF16's vdpbf16ps): a CPU bf16 tensor with head size 64, SFCL's kernels
+    loaded and built for AVX-512 BF16, no autograd. Elsewhere (AVX2-only CPUs, float32) torch's causal
+    SDPA."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and decode_kernel.loaded()
             and not torch.is_grad_enabled() and torch.ops.sfcl.causal_attention_ready())
 
 
-def windows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, amx: bool) -> torch.Tensor:
+def windows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
     """Causal attention of n windows of T tokens, each from its position 0: q (n, T, nh, hd), k and v
     (n, T, nkv, hd) in the model's dtype; ``scale`` the layer's (1 / sqrt(hd), SDPA's default, which it
-    keeps). Returns (n T, nh hd): SFCL's AMX kernel where ``amx`` (:func:`native_attention`), torch's
+    keeps). Returns (n T, nh hd): SFCL's kernel where ``native`` (:func:`native_attention`), torch's
     causal SDPA (GQA) otherwise."""
     n, T = q.shape[:2]
-    if amx:
+    if native:
         return torch.ops.sfcl.causal_attention(q, k, v, scale).view(n * T, -1)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                        enable_gqa=True)  # (n, nh, T, hd)
@@ -194,7 +196,7 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
         starts.append(starts[-1] + n)
     runs = _equal_runs(lens)  # (first token, windows, length) of consecutive windows of one length
     tap = disp = None
-    amx = None  # whether native_attention, decided at the first layer
+    native = None  # whether native_attention, decided at the first layer
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(h), cos, sin)  # (1, N, heads, hd)
@@ -206,11 +208,11 @@ def run_windows(model, windows: list[list[int]], tap_layer: int, top_k: int) -> 
                 outs.append(o)  # (T, nh hd)
                 disps.append(d)
         else:
-            amx = native_attention(q) if amx is None else amx
+            native = native_attention(q) if native is None else native
             for a, n, T in runs:  # windows of one length: one causal attention call with the windows as its batch
                 b = a + n * T
                 qb, kb, vb = (x[0, a:b].view(n, T, x.shape[2], x.shape[3]) for x in (q, k, v))  # (n, T, heads, hd)
-                outs.append(windows_attention(qb, kb, vb, attn.scale, amx))  # (n T, nh hd)
+                outs.append(windows_attention(qb, kb, vb, attn.scale, native))  # (n T, nh hd)
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (N, nh hd)
         if RESIDUAL_IN_GEMM:
             add_linear_(h[0], o, attn.o_proj)

@@ -15,8 +15,10 @@ surprisal in one pass; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.rms_norm``
 prompt chunks and the anchor builder; ``sfcl.model.llama``), ``torch.ops.sfcl.causal_softmax_entropy_``
 (``attention_entropy.cpp``, the snapshot layer's causal attention weights and their entropy over a
 window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.causal_attention``
-(``causal_attention.cpp``, the anchor builder's causal attention of the other layers on AMX tiles, compiled
-where ``-march`` enables AMX; ``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
+(``causal_attention.cpp``, the anchor builder's causal attention of the other layers, on AMX tiles where
+``-march`` enables AMX and the OS grants the tile state, ``torch.ops.sfcl.causal_attention_amx()``, else
+with AVX-512 BF16's vdpbf16ps; compiled where ``-march`` enables AVX-512 BF16;
+``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
 ``sfcl.anchors.model_pass``), and the module's ``anchor_search`` function and ``AnchorLookup`` class
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), pybind11 bindings so that they keep the GIL.
@@ -85,7 +87,7 @@ CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-f
 LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats",
        "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_", "causal_attention",
-       "causal_attention_ready")  # the torch operators a loaded library must register
+       "causal_attention_ready", "causal_attention_amx")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "AnchorLookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold

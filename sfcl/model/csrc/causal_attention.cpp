@@ -1,26 +1,31 @@
-// Causal self-attention of prompt windows on Intel AMX tiles, for the anchor builder's model pass
-// (sfcl/anchors/model_pass.py): every window attends from its position 0, no KV cache.
+// Causal self-attention of prompt windows for the anchor builder's model pass (sfcl/anchors/model_pass.py),
+// on Intel AMX tiles or, on CPUs with AVX-512 BF16 but no AMX (AMD EPYC Zen 4), with vdpbf16ps on
+// 512-bit vectors: every window attends from its position 0, no KV cache.
 //
 //   o[w, i, h] = sum_{j <= i} p[i, j] v[w, j, g(h)],   p[i, :] = softmax_j(scale q[w, i, h] . k[w, j, g(h)])
 //
 // with g(h) = h / (nh / nkv) (grouped-query attention). Per (window, head, block of 32 queries):
-// the block's scores against keys 0 .. its last row, S = Q K^T, by AMX tile products (bf16 in,
-// float32 accumulated); each row's causal softmax in float32 with AVX-512 (softmax_row: an exp of
-// fused multiply-adds, relative error < 5e-5), its exponentials rounded to bf16 and normalised after
-// P V (as torch's flash attention for CPU does: its P is rounded to the input dtype before the
-// product with V); O = P V by tile products.
-// K and V are first packed per (window, KV head) into the pair-interleaved ("VNNI") layout the
-// tile product reads its second operand in. A block is 32 rows x at most T keys, so the whole row
-// of scores fits a per-thread float32 buffer and no online rescaling is needed (32 x T float32 and
-// bf16 per thread: 0.8 MB at T = 4,096).
+// the block's scores against keys 0 .. its last row, S = Q K^T (bf16 in, float32 accumulated); each
+// row's causal softmax in float32 with AVX-512 (softmax_row: an exp of fused multiply-adds, relative
+// error < 5e-5), its exponentials rounded to bf16 and normalised after P V (as torch's flash attention
+// for CPU does: its P is rounded to the input dtype before the product with V); O = P V.
+// K and V are first packed per (window, KV head) into the pair-interleaved ("VNNI") layout that both
+// AMX's tile product and vdpbf16ps read their second operand in: a 64-byte row holds 16 columns x 2
+// consecutive reduction elements. A block is 32 rows x at most T keys, so the whole row of scores fits
+// a per-thread float32 buffer and no online rescaling is needed (32 x T float32 and bf16 per thread:
+// 0.8 MB at T = 4,096).
 //
 // Why: torch 2.13's CPU flash attention (scaled_dot_product_attention) ran the build's 29 causal
 // layers at ~12 ms per 4 windows x 1,024 tokens on 2 threads of an Intel Xeon with AMX, about 6x the
-// rate of the GEMM probe the build's floor is counted at (docs/performance-journal.md).
+// rate of the GEMM probe the build's floor is counted at; on a 2-core AMD EPYC with AVX-512 BF16 (no
+// AMX) it took 32% of the pass, 1.5 s per 4 windows, ~95 GFLOP/s against the probe's ~400
+// (docs/performance-journal.md).
 //
-// Compiled only where the build's -march enables AMX-TILE, AMX-BF16 and AVX-512 BF16 / BW / VL
-// (-march=native on such a CPU); elsewhere causal_attention raises and causal_attention_ready() is false. At run time
-// the CPU must also grant the tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM), checked once.
+// The AMX path is compiled where the build's -march enables AMX-TILE, AMX-BF16 and AVX-512 BF16 / BW / VL
+// (-march=native on such a CPU) and runs where the OS also grants the tile state (Linux arch_prctl
+// ARCH_REQ_XCOMP_PERM, checked once); the vector path is compiled where -march enables AVX-512 BF16 / BW
+// / VL, and runs where AMX does not (or when asked for: causal_attention(..., amx=False)). Elsewhere
+// causal_attention raises and causal_attention_ready() is false.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,12 +39,14 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__linux__)
-#define SFCL_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SFCL_BF16_VEC 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define SFCL_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 namespace sfcl {
@@ -51,31 +58,7 @@ constexpr int64_t kBlock = 32;    // queries per block and keys per step: two ti
 // that the 16 rows a tile store or load touches do not all fall in one L1 set (a 4 KiB stride does).
 constexpr int64_t kPad = 16;
 
-#ifdef SFCL_AMX
-// Tile configuration (palette 1): tiles 0-7 all 16 rows x 64 bytes (16 float32 or 32 bf16).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool tiles_granted() {
-  constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kXtiledata = 18;         // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-}
-
-inline void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
+#ifdef SFCL_BF16_VEC
 using bf16 = c10::BFloat16;
 
 // K of one (window, KV head) -> tiles of 16 keys x 32 dims, pair-interleaved: kp[(kb * 2 + s) * 512 +
@@ -138,22 +121,34 @@ float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p
   return 1.0f / _mm512_reduce_add_ps(z);
 }
 
-// One (window, head, query block): rows i0 .. i0 + 31 of o.
-void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t T, int64_t i0, float scale,
-                  bf16* o, int64_t os, float* S, bf16* P, bf16* qpad, float* obuf) {
-  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
-  const int64_t kend = std::min(i0 + kBlock, Tp);  // keys the block's last row can attend, rounded up to 32
-  const int64_t rows = std::min(kBlock, T - i0);
-  const bf16* qa = q + i0 * qs;
-  int64_t qstride = qs;
-  if (rows < kBlock) {  // the window's last block: its rows past T read as zeros from a padded copy
-    std::fill(qpad, qpad + kBlock * kHeadDim, bf16(0.0f));
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(qpad + r * kHeadDim, qa + r * qs, kHeadDim * sizeof(bf16));
-    qa = qpad;
-    qstride = kHeadDim;
+#ifdef SFCL_AMX
+// Tile configuration (palette 1): tiles 0-7 all 16 rows x 64 bytes (16 float32 or 32 bf16).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool tiles_granted() {
+  constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kXtiledata = 18;         // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
   }
-  const int64_t ss = Tp + kPad, qb = qstride * sizeof(bf16), sb = ss * sizeof(float);
-  // S (32, kend) = Q K^T
+  _tile_loadconfig(&cfg);
+}
+
+// S (32, kend) = Q K^T on AMX tiles: qa (32 rows, stride qstride), kp packed by pack_k; S's row stride ss.
+void scores_amx(const bf16* qa, int64_t qstride, const bf16* kp, int64_t kend, float* S, int64_t ss) {
+  const int64_t qb = qstride * sizeof(bf16), sb = ss * sizeof(float);
   for (int64_t kb = 0; kb < kend / kBlock; ++kb) {
     _tile_zero(0);
     _tile_zero(1);
@@ -175,13 +170,11 @@ void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int
     _tile_stored(2, sk + 16 * ss, sb);
     _tile_stored(3, sk + 16 * ss + 16, sb);
   }
-  float inv[kBlock];
-  for (int64_t r = 0; r < kBlock; ++r) {
-    const int64_t i = std::min(i0 + r, T - 1);  // rows past T: any finite row, never written out
-    inv[r] = softmax_row(S + r * ss, i, kend, scale, P + r * ss);
-  }
-  // O (32, 64) = P V, 16 output columns of both row halves at a time: per 32 keys, 2 P tiles and 2 V
-  // tiles feed 4 products
+}
+
+// O (32, 64) = P V on AMX tiles, 16 output columns of both row halves at a time: per 32 keys, 2 P tiles
+// and 2 V tiles feed 4 products. P (32, kend) bf16 with row stride ss; vp packed by pack_v.
+void values_amx(const bf16* P, int64_t ss, const bf16* vp, int64_t kend, float* obuf) {
   const int64_t pb = ss * sizeof(bf16), ob = kHeadDim * sizeof(float);
   for (int64_t c = 0; c < 4; c += 2) {
     _tile_zero(0);
@@ -204,6 +197,102 @@ void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int
     _tile_stored(2, obuf + 16 * kHeadDim + c * 16, ob);
     _tile_stored(3, obuf + 16 * kHeadDim + c * 16 + 16, ob);
   }
+}
+#endif  // SFCL_AMX
+
+// The 32-bit word holding bf16 elements e and e + 1 of a row (e even), broadcast to 16 lanes: the
+// first operand of vdpbf16ps against a pair-interleaved row.
+inline __m512bh pair16(const bf16* row, int64_t e) {
+  int32_t w;
+  std::memcpy(&w, row + e, sizeof(w));
+  return (__m512bh)_mm512_set1_epi32(w);
+}
+
+// S = Q K^T with vdpbf16ps: query rows in groups of 8, each group against 32 keys at a time (16
+// accumulators of 16 keys), over the keys up to its last row (clipped to T - 1: rows past T read a
+// finite row, never written out); the entries past a row's own position are never read. qa (32 rows,
+// stride qstride), kp packed by pack_k (a 64-byte row of a tile: one dimension pair of 16 keys); S's
+// row stride ss.
+void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int64_t T, float* S, int64_t ss) {
+  for (int64_t g = 0; g < kBlock / 8; ++g) {
+    const int64_t nkb = std::min(i0 + 8 * g + 7, T - 1) / kBlock + 1;  // blocks of 32 keys
+    const bf16* qg = qa + 8 * g * qstride;
+    float* sg = S + 8 * g * ss;
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      __m512 acc[8][2];
+      for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < kHeadDim / 2; ++d) {  // dimensions 2d, 2d + 1
+        const bf16* kt = kp + (4 * kb + d / 16) * 512 + (d % 16) * 32;  // keys 32 kb .. +15; +1024: the next 16
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt), k1 = (__m512bh)_mm512_loadu_si512(kt + 1024);
+        for (int64_t r = 0; r < 8; ++r) {
+          const __m512bh qv = pair16(qg + r * qstride, 2 * d);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+        }
+      }
+      for (int64_t r = 0; r < 8; ++r) {
+        _mm512_storeu_ps(sg + r * ss + kb * kBlock, acc[r][0]);
+        _mm512_storeu_ps(sg + r * ss + kb * kBlock + 16, acc[r][1]);
+      }
+    }
+  }
+}
+
+// O (32, 64) = P V with vdpbf16ps: query rows in groups of 4 (16 accumulators: 4 rows x 64 columns),
+// each over the key pairs up to its last row (P is zero past a row's position). P bf16 with row stride
+// ss; vp packed by pack_v (a 64-byte row of a tile: 16 columns of one key pair).
+void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T, float* obuf) {
+  for (int64_t g = 0; g < kBlock / 4; ++g) {
+    const int64_t pairs = std::min(i0 + 4 * g + 3, T - 1) / 2 + 1;  // key pairs covering keys 0 .. the last row
+    const bf16* pg = P + 4 * g * ss;
+    __m512 acc[4][4];
+    for (auto& a : acc) a[0] = a[1] = a[2] = a[3] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; ++j) {  // keys 2j, 2j + 1
+      const bf16* vt = vp + (j / 16) * 4 * 512 + (j % 16) * 32;
+      __m512bh v[4];
+      for (int64_t c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + c * 512);
+      for (int64_t r = 0; r < 4; ++r) {
+        const __m512bh pv = pair16(pg + r * ss, 2 * j);
+        for (int64_t c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pv, v[c]);
+      }
+    }
+    for (int64_t r = 0; r < 4; ++r)
+      for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(obuf + (4 * g + r) * kHeadDim + c * 16, acc[r][c]);
+  }
+}
+
+// One (window, head, query block): rows i0 .. i0 + 31 of o, on AMX tiles where amx, else with vdpbf16ps.
+void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t T, int64_t i0, float scale,
+                  bf16* o, int64_t os, float* S, bf16* P, bf16* qpad, float* obuf, bool amx) {
+  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
+  const int64_t kend = std::min(i0 + kBlock, Tp);  // keys the block's last row can attend, rounded up to 32
+  const int64_t rows = std::min(kBlock, T - i0);
+  const bf16* qa = q + i0 * qs;
+  int64_t qstride = qs;
+  if (rows < kBlock) {  // the window's last block: its rows past T read as zeros from a padded copy
+    std::fill(qpad, qpad + kBlock * kHeadDim, bf16(0.0f));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(qpad + r * kHeadDim, qa + r * qs, kHeadDim * sizeof(bf16));
+    qa = qpad;
+    qstride = kHeadDim;
+  }
+  const int64_t ss = Tp + kPad;
+#ifdef SFCL_AMX
+  if (amx)
+    scores_amx(qa, qstride, kp, kend, S, ss);
+  else
+#endif
+    scores_vec(qa, qstride, kp, i0, T, S, ss);
+  float inv[kBlock];
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const int64_t i = std::min(i0 + r, T - 1);  // rows past T: any finite row, never written out
+    inv[r] = softmax_row(S + r * ss, i, kend, scale, P + r * ss);
+  }
+#ifdef SFCL_AMX
+  if (amx)
+    values_amx(P, ss, vp, kend, obuf);
+  else
+#endif
+    values_vec(P, ss, vp, i0, T, obuf);
   for (int64_t r = 0; r < rows; ++r) {  // o = O / Z, rounded to bf16
     bf16* orow = o + (i0 + r) * os;
     const __m512 f = _mm512_set1_ps(inv[r]);
@@ -212,12 +301,12 @@ void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf + r * kHeadDim + d), f)));
   }
 }
-#endif  // SFCL_AMX
+#endif  // SFCL_BF16_VEC
 
 }  // namespace
 
-// Whether causal_attention can run here: built with AMX and the OS grants the tile state.
-bool causal_attention_ready() {
+// Whether the AMX path runs here: built with AMX and the OS grants the tile state (asked once).
+bool causal_attention_amx() {
 #ifdef SFCL_AMX
   static const bool ok = tiles_granted();
   return ok;
@@ -226,12 +315,24 @@ bool causal_attention_ready() {
 #endif
 }
 
+// Whether causal_attention can run here: on AMX tiles (causal_attention_amx()) or, built with
+// AVX-512 BF16, with vdpbf16ps.
+bool causal_attention_ready() {
+#ifdef SFCL_BF16_VEC
+  return true;
+#else
+  return false;
+#endif
+}
+
 // q (n, T, nh, 64), k and v (n, T, nkv, 64): bf16 CPU tensors whose last dimension is contiguous,
 // nh a multiple of nkv, T >= 1. Returns o (n, T, nh, 64) bf16 contiguous: each window's
-// causal attention from its position 0, softmax of scale q . k. Raises (RuntimeError) where
-// causal_attention_ready() is false or for arguments that do not fit together.
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(causal_attention_ready(), "causal_attention: needs a CPU with AMX-BF16 granted by the OS and a "
+// causal attention from its position 0, softmax of scale q . k. amx: on AMX tiles where they run
+// (causal_attention_amx()); false takes the AVX-512 BF16 vector path on any CPU that runs the kernel
+// (the tests compare both on an AMX CPU). Raises (RuntimeError) where causal_attention_ready() is false
+// or for arguments that do not fit together.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool amx) {
+  TORCH_CHECK(causal_attention_ready(), "causal_attention: needs a CPU with AVX-512 BF16 (or AMX-BF16) and a "
               "kernel build with -march enabling it");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "causal_attention: CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
@@ -249,7 +350,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(T >= 1, "causal_attention: windows of at least one token, got T = ", T);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: the head dimension must be contiguous");
   at::Tensor o = at::empty({n, T, nh, kHeadDim}, q.options());
-#ifdef SFCL_AMX
+#ifdef SFCL_BF16_VEC
+  const bool tiles = amx && causal_attention_amx();
   const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock, nb = Tp / kBlock, group = nh / nkv;
   const int64_t tile_elems = Tp * kHeadDim;  // bf16 per packed K (or V) of one (window, KV head)
   std::vector<bf16> kp(n * nkv * tile_elems), vp(n * nkv * tile_elems);
@@ -266,14 +368,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, n * nh * nb, 1, [&](int64_t a, int64_t b) {
     std::vector<float> S(kBlock * (Tp + kPad)), obuf(kBlock * kHeadDim);
     std::vector<bf16> P(kBlock * (Tp + kPad)), qpad(kBlock * kHeadDim);
-    load_tile_config();
+#ifdef SFCL_AMX
+    if (tiles) load_tile_config();
+#endif
     for (int64_t x = a; x < b; ++x) {
       const int64_t w = x / (nh * nb), h = x / nb % nh, blk = x % nb, g = h / group;
       attend_block(qd + w * q.stride(0) + h * q.stride(2), q.stride(1), kp.data() + (w * nkv + g) * tile_elems,
                    vp.data() + (w * nkv + g) * tile_elems, T, blk * kBlock, sc, od + w * T * nh * kHeadDim + h * kHeadDim,
-                   nh * kHeadDim, S.data(), P.data(), qpad.data(), obuf.data());
+                   nh * kHeadDim, S.data(), P.data(), qpad.data(), obuf.data(), tiles);
     }
-    _tile_release();
+#ifdef SFCL_AMX
+    if (tiles) _tile_release();
+#endif
   });
 #endif
   return o;
@@ -282,7 +388,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace sfcl
 
 TORCH_LIBRARY_FRAGMENT(sfcl, m) {
-  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale, bool amx=True) -> Tensor");
   m.def("causal_attention_ready() -> bool", &sfcl::causal_attention_ready);  // no tensor: a catch-all kernel
+  m.def("causal_attention_amx() -> bool", &sfcl::causal_attention_amx);
 }
 TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("causal_attention", &sfcl::causal_attention); }
