@@ -115,6 +115,18 @@ def test_the_amx_path_runs_only_where_the_kernel_does(kernel):
     assert not torch.ops.sfcl.causal_attention_amx() or torch.ops.sfcl.causal_attention_ready()
 
 
+@pytest.mark.parametrize("scale", (1 / 3, 0.1))
+def test_huge_scores_with_a_scale_that_rounds(amx, scale):
+    """Scaled scores of ~3e8-1e9 with a scale that is not a power of two: the product is rounded
+    before the row's max is subtracted, so the exp's argument stays <= 0 (a fused multiply-subtract
+    had left half an ulp of the max above 0, and the exp overflowed: NaN rows)."""
+    q = torch.full((1, 3, 2, 64), 30000.0 if scale > 0.2 else 100000.0).to(torch.bfloat16)
+    v = torch.randn(1, 3, 1, 64).to(torch.bfloat16)
+    got = torch.ops.sfcl.causal_attention(q, q[:, :, :1], v, scale, amx)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), _sdpa(q, q[:, :, :1], v, torch.float32).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_without_avx512_bf16_it_says_so_and_the_builder_keeps_sdpa(kernel):
     if torch.ops.sfcl.causal_attention_ready():
         pytest.skip("AVX-512 BF16 runs here")

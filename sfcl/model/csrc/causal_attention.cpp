@@ -105,8 +105,11 @@ float softmax_row(const float* s, int64_t i, int64_t width, float scale, bf16* p
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 z = _mm512_setzero_ps();
   auto step = [&](__m512 sv, __mmask16 m) {  // lanes m of exp(scale s - max) rounded to bf16, their sum into z; others 0
-    // a NaN score stays NaN through the exp, so it makes its row NaN, as in torch's SDPA
-    const __m512 e = sfcl::exp_nonpositive16<true>(_mm512_fmsub_ps(sv, vs, mx));
+    // a NaN score stays NaN through the exp, so it makes its row NaN, as in torch's SDPA. The scaled
+    // score is rounded before the max is subtracted, as the max was taken: a fused multiply-subtract
+    // left up to half an ulp of the max above 0, and the exp overflowed once that passed ~88 (scaled
+    // scores above ~1e9 with a scale that is not a power of two: a NaN row; found by a tester)
+    const __m512 e = sfcl::exp_nonpositive16<true>(_mm512_sub_ps(_mm512_mul_ps(sv, vs), mx));
     z = _mm512_mask_add_ps(z, m, z, e);
     return _mm256_maskz_mov_epi16(m, (__m256i)_mm512_cvtneps_pbh(e));
   };
