@@ -5,7 +5,8 @@ import pytest
 import torch
 from conftest import contractnli_docs
 
-from sfcl.anchors.builder import (MIN_CALIBRATION_WINDOW, BuildConfig, build_library, calibration_prompts,
+from sfcl.anchors.builder import (MIN_CALIBRATION_WINDOW, BuildConfig, _aggregate, _Collected, build_library,
+                                  calibration_prompts,
                                   library_cache_name)
 from sfcl.anchors.corpus import Document
 from sfcl.library.store import AnchorLibraryError
@@ -146,3 +147,21 @@ def test_model_with_a_short_context_builds_with_its_calibration_prompts_cut_to_f
     assert max(len(p) for p in prompts) > ctx - cfg.calibration_tokens - 16  # the long ones: cut to the limit
     lib = load_library(build_library(lm, docs, tmp_path / "lib", cfg, progress=False))
     assert lib.n_anchors == 64 and lib.calibration["threshold_calibration"]["prompts"] == 6
+
+
+def test_a_clusters_representative_is_its_first_member_attaining_the_max():
+    """Members whose hidden states are equal tie for the cluster's best cosine; the representative
+    (whose span the anchor names) is the lowest position among them, so two builds of one corpus name
+    the same spans (an index_put with repeated indices had kept any one of them)."""
+    n, H = 4_000, 8
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.functional.normalize(torch.randn(40, H, generator=g), dim=-1)
+    hidden = base.repeat(n // 40, 1)  # position p holds base[p % 40]: 100 equal copies of each state
+    labels = np.arange(n) % 40  # cluster c: the copies of base[c], all at cosine 1 to their centroid
+    col = _Collected(hidden=hidden, next_ids=torch.zeros(n, 2, dtype=torch.int64), next_probs=torch.ones(n, 2) / 2,
+                     doc=np.zeros(n, np.int32), span_start=np.zeros(n, np.int32), span_end=np.zeros(n, np.int32),
+                     surprisal=np.zeros(1), d3=np.zeros(1), n_attended=np.zeros(1, np.int64))
+    cent = torch.cat([base, torch.zeros(2, H)])  # two clusters with no member
+    counts, _, rep, _, _ = _aggregate(col, labels, cent, 2)
+    assert counts.tolist() == [100] * 40 + [0, 0]
+    assert rep.tolist() == list(range(40)) + [-1, -1]
