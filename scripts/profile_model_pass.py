@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                                for sm in pick[a.snapshot_softmax] for at in pick[a.attention]))  # reductions: kernels unloaded
     with torch.inference_mode():
         native_here = native_attention(torch.empty(1, 64, dtype=dtype))
+    ours = "SFCL's AMX attention" if native_here and torch.ops.sfcl.causal_attention_amx() else "SFCL's AVX-512 BF16 attention"
     row_counts = [int(r) for r in a.logit_rows.split(",") if r] or [model_pass.LOGIT_ROWS]
     default_rows, default_residual = model_pass.LOGIT_ROWS, model_pass.RESIDUAL_IN_GEMM
     residuals = {"in-gemm": [True], "gemm": [False], "both": [True, False]}[a.residual]
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 which = (("SFCL's logit_stats" if on else "torch's logits reductions") + ", "
                          + ("SFCL's element-wise ops" if on and ew == "native" else "torch's element-wise ops") + ", "
                          + ("SFCL's snapshot softmax" if on and sm == "native" else "torch's snapshot softmax") + ", "
-                         + (("SFCL's AMX attention" if torch.ops.sfcl.causal_attention_amx() else "SFCL's AVX-512 BF16 attention") if on and at == "native" and native_here else "torch's SDPA")
+                         + (ours if on and at == "native" and native_here else "torch's SDPA")
                          + f", logits {rows} rows at a time"
                          + (", residual adds in the GEMMs" if res else ", residual adds after the GEMMs"))
                 what = (f"{len(docs)} documents, {st.tokens:,} tokens in {st.windows} windows" if a.whole_corpus

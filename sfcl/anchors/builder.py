@@ -246,11 +246,11 @@ def _aggregate(col: _Collected, labels: np.ndarray, cent: torch.Tensor, top_k: i
     # the first member (lowest position) attaining the max: members tie where their hidden states are
     # equal (repeated boilerplate), and an index_put with repeated indices kept any one of them, so two
     # builds of one corpus could name different spans (28 of 32,731 anchors, AMD EPYC, 2026-12-06)
-    cand = torch.nonzero(sims >= best[lab])[:, 0]
-    rep = torch.full((k,), col.hidden.shape[0], dtype=torch.int64).scatter_reduce(0, lab[cand], cand, reduce="amin")
-    rep[rep == col.hidden.shape[0]] = -1  # empty clusters
-    # next-token distribution: average member top-K distributions, keep the top_k ids
     n, K = col.next_ids.shape
+    cand = torch.nonzero(sims >= best[lab])[:, 0]
+    rep = torch.full((k,), n, dtype=torch.int64).scatter_reduce(0, lab[cand], cand, reduce="amin")
+    rep[rep == n] = -1  # empty clusters
+    # next-token distribution: average member top-K distributions, keep the top_k ids
     keys = lab[:, None] * (1 << 20) + col.next_ids  # (n, K) cluster-major key (vocab < 2^20)
     uk, inv = torch.unique(keys.reshape(-1), return_inverse=True)
     mass = torch.zeros(len(uk)).index_add_(0, inv, col.next_probs.reshape(-1))
