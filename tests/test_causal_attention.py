@@ -138,7 +138,8 @@ def test_without_avx512_bf16_it_says_so_and_the_builder_keeps_sdpa(kernel):
 
 def test_builder_uses_it_only_for_bf16_head_size_64(kernel):
     with torch.inference_mode():
-        assert not model_pass.native_attention(torch.empty(1, 64))  # float32: torch's SDPA
+        # float32: the float32 prefill kernel where it runs (tests/test_prefill_attention.py), else SDPA
+        assert model_pass.native_attention(torch.empty(1, 64)) == torch.ops.sfcl.prefill_attention_ready()
         assert not model_pass.native_attention(torch.empty(1, 128, dtype=torch.bfloat16))
         assert model_pass.native_attention(torch.empty(1, 64, dtype=torch.bfloat16)) == \
             torch.ops.sfcl.causal_attention_ready()

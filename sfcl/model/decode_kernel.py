@@ -65,7 +65,7 @@ CSRC = Path(__file__).with_name("csrc")
 # bindings.cpp first: the slowest to compile (pybind11's headers), so ninja starts it while the others build
 SOURCES = tuple(CSRC / f for f in ("bindings.cpp", "decode_attention.cpp", "decode_layers.cpp", "anchor_search.cpp",
                                    "int8_linear.cpp", "int4_linear.cpp", "logit_stats.cpp", "elementwise.cpp",
-                                   "attention_entropy.cpp", "causal_attention.cpp"))
+                                   "attention_entropy.cpp", "causal_attention.cpp", "prefill_attention.cpp"))
 HEADERS = (CSRC / "sfcl_kernels.h", CSRC / "elementwise.h")
 # -ffp-contract=off: no fused multiply-adds the source did not write. $SFCL_KERNEL_MARCH: the target CPU
 # (default native; x86-64-v3 runs on any AVX2 CPU, haswell times the AVX2 paths on an AVX-512 one).
@@ -87,7 +87,7 @@ CFLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-f
 LDFLAGS = ["-fopenmp"]
 OPS = ("decode_attention", "decode_layers", "int8_linear", "int8_q8_linear", "int4_linear", "logit_stats",
        "rms_norm", "silu_mul", "rope_", "causal_softmax_entropy_", "causal_attention",
-       "causal_attention_ready", "causal_attention_amx")  # the torch operators a loaded library must register
+       "causal_attention_ready", "causal_attention_amx", "prefill_attention", "prefill_attention_ready")  # the torch operators a loaded library must register
 FUNCTIONS = ("anchor_search", "AnchorLookup", "parallel_threads")  # and its module's functions
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold

@@ -108,6 +108,18 @@ def native_rows(x: torch.Tensor, *more: torch.Tensor) -> bool:
             and decode_kernel.loaded())
 
 
+def native_prefill_attention(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a prompt chunk's causal attention runs on SFCL's float32 kernel
+    (``torch.ops.sfcl.prefill_attention``, ``csrc/prefill_attention.cpp``: AVX2 and FMA) instead of
+    torch's SDPA, for queries like ``x`` (any activation of the layer: dtype, device, autograd):
+    float32 on the CPU, ``head_dim`` 64 or 128, no autograd, the kernel library loaded
+    (``decode_kernel.loaded``) and built with AVX2, not under torch.compile. The same softmax in
+    float32 up to the order of the sums (max |difference| ~1e-6 on unit-variance inputs)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and head_dim in (64, 128)
+            and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+            and decode_kernel.loaded() and torch.ops.sfcl.prefill_attention_ready())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -252,10 +264,13 @@ class Attention(nn.Module):
             p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
             o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
             return o.view(1, nh, T, hd), p.view(1, nh, T, S)
-        if start and mask is None:
-            mask = chunk_mask(T, start, q.device)
-        o = F.scaled_dot_product_attention(q, kk, vv, is_causal=not start, enable_gqa=True,
-                                           attn_mask=mask if start else None)  # (1, nh, T, hd)
+        if kk.dtype == torch.float32 and native_prefill_attention(q, hd):  # no mask to build; (1, T, nh, hd)
+            o = torch.ops.sfcl.prefill_attention(q, kk, vv, self.scale).transpose(1, 2)  # (1, nh, T, hd)
+        else:
+            if start and mask is None:
+                mask = chunk_mask(T, start, q.device)
+            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=not start, enable_gqa=True,
+                                               attn_mask=mask if start else None)  # (1, nh, T, hd)
         if want_probs == "last":
             # Only the last query's weights are needed: one (g, S) row per KV head.
             ql = q[:, :, -1:].reshape(1, nkv, g, hd)
@@ -604,9 +619,10 @@ class LlamaModel(nn.Module):
         """``forward_step``'s decoder layers in Python: h (N, H), cos / sin (1, N, 1, hd). Returns
         (h after the last layer (N, H), h after layer ``tap_layer`` (N, H), its attention weights
         per part, as ``Attention.forward_step`` gives them)."""
-        # masks once per step, not per layer
+        # masks once per step, not per layer (none for SFCL's float32 prefill attention, which needs none)
         bias = decode_bias(step.decode.mask) if step.n_decode > 1 else None
-        masks = [chunk_mask(c.length, c.start, h.device) for c in step.chunks]
+        masks = (None if native_prefill_attention(h, self.a.head_dim)
+                 else [chunk_mask(c.length, c.start, h.device) for c in step.chunks])
         tap_hidden = tap_probs = None
         for i, layer in enumerate(self.layers):
             is_tap = i == tap_layer

@@ -79,6 +79,24 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) of 8 lanes for x <= 0: exp_nonpositive's steps with fused multiply-adds (x clamped at
+// kExpMin, n = round(x log2 e), r = x - n ln 2 with ln 2 in two parts, e^r by the degree-6
+// polynomial, 2^n built in the exponent bits; ~1 ulp). The float32 prefill attention's softmax
+// (prefill_attention.cpp). A NaN lane is clamped to kExpMin (vmaxps returns its second operand).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 #if defined(__AVX2__)
 // 8 bf16 values (bit patterns) -> 8 floats, exactly (a shift into the high half).
 inline __m256 bf16x8(const uint16_t* p) {
