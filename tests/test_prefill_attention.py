@@ -98,6 +98,51 @@ def test_a_non_finite_value_reaches_only_the_rows_that_attend_it(avx2, bad):
     assert torch.equal(got[:, 10:, :3], clean[:, 10:, :3]) and torch.equal(got[:, 10:, 6:], clean[:, 10:, 6:])
 
 
+@pytest.mark.parametrize("S", (8, 9, 16, 17, 300))  # NaN keys in the vector lanes and in the scalar tail
+def test_a_nan_key_makes_the_rows_that_attend_it_nan(avx2, S):
+    """As from torch's SDPA, whichever lane of 8 keys the NaN falls in (a clamp in the exp had turned
+    it into a weight of ~1e-38 there; found by a tester)."""
+    for key in range(0, S, max(1, S // 9)):
+        q, k, v = (x.clone() for x in _qkv(1, 9, 3, S, S, seed=S + key))
+        k[0, 0, key, 3] = float("nan")  # KV head 0: query heads 0-2
+        got = torch.ops.sfcl.prefill_attention(q, k, v, 0.125).isnan().any(-1)[0]  # (T, nh)
+        want = torch.zeros(S, 9, dtype=torch.bool)
+        want[key:, :3] = True
+        assert torch.equal(got, want), key
+
+
+def test_an_overflowing_score_makes_its_row_nan(avx2):
+    """q . k = +inf (q, k ~ 1e19): NaN, as from torch's float32 SDPA, not a finite mean of v."""
+    q, k, v = _qkv(1, 3, 3, 20, 20, seed=17)
+    big = torch.full_like(q, 1e19)
+    got = torch.ops.sfcl.prefill_attention(big, big[:, :, :].clone(), v, 1.0)
+    assert got.isnan().all()
+    assert F.scaled_dot_product_attention(big, big, v, is_causal=True, scale=1.0).isnan().all()
+
+
+def test_flat_rows_over_a_long_cache_keep_torchs_accuracy(avx2):
+    """T = 64 queries over S = 8,192 keys of nearly equal scores, values around 1: within twice torch's
+    float32 error (plus 1e-6) of float64. Chaining every key's product onto one running output had
+    grown the error to ~10x torch's here (found by a tester); a block's product is now summed apart."""
+    q, k, v = _qkv(1, 4, 2, 64, 8192, hd=128, seed=19, spread=0.1)
+    v = v + 1
+    got = torch.ops.sfcl.prefill_attention(q, k, v, 128 ** -0.5)
+    ref = _sdpa(q, k, v, 128 ** -0.5)
+    err = (got.double() - ref).abs().max().item()
+    torch_err = (_sdpa(q, k, v, 128 ** -0.5, torch.float32).double() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, (err, torch_err)
+
+
+def test_a_short_chunk_over_a_long_cache_matches_the_whole_prompt(avx2):
+    """Chunks of 1-40 tokens at the end of 3,000 positions (fewer query positions per work item there,
+    so both threads get work): the whole prompt's rows, bit for bit."""
+    q, k, v = _qkv(1, 9, 3, 3000, 3000, seed=23)
+    whole = torch.ops.sfcl.prefill_attention(q, k, v, 0.125)
+    for T in (1, 5, 16, 40):
+        part = torch.ops.sfcl.prefill_attention(q[:, :, 3000 - T:], k, v, 0.125)
+        assert torch.equal(part, whole[:, 3000 - T:]), T
+
+
 def test_a_nan_query_makes_only_its_row_nan(avx2):
     q, k, v = (x.clone() for x in _qkv(1, 9, 3, 40, 60, seed=13))
     q[0, 2, 7, 0] = float("nan")  # head 2, query 7

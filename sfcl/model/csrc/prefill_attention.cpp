@@ -8,13 +8,14 @@
 // for the T queries of a chunk at positions [start, S) against the S keys [0, S) of the cache
 // (the chunk's own keys last), g(h) = h / (nh / nkv) (grouped-query attention). The flash-attention
 // recurrence (Dao et al., 2022: "FlashAttention", Algorithm 1; the online softmax of Milakov and
-// Gimelshein, 2018) in float32 throughout: per (sequence, KV head, block of kQ query positions) the
-// rows of all the KV head's query heads (kQ x group rows, position-major) run over the keys in blocks
-// of kKeys; per block S = Q K^T (6 rows x 16 keys of accumulators), each row's running max and sum
-// updated and its output rescaled, P = exp(S - max) (sfcl::exp_nonpositive8, ~1 ulp), O += P V (6 rows
-// x 16 columns). A group of 6 rows stops at its last row's position, and no row reads a key past its
-// own (so a row's result is the same bit for bit whichever rows share its group or chunk, and a
-// non-finite value of a later token stays out of it). K is first packed per (sequence, KV head) into panels of 16 keys x HD dims
+// Gimelshein, 2018) in float32 throughout: per (sequence, KV head, block of up to kQ query positions)
+// the rows of all the KV head's query heads (position-major) run over the keys in blocks of kKeys;
+// per block S = Q K^T (6 rows x 16 keys of accumulators), each row's running max and sum updated,
+// P = exp(S - max) (sfcl::exp_nonpositive8, ~1 ulp), W = P V (6 rows x 16 columns), O = O alpha + W.
+// A group of 6 rows stops at its last row's position, and no row reads a key past its own (so a row's
+// result is the same bit for bit whichever rows share its group or chunk, and a non-finite value of a
+// later token stays out of it). NaN or +inf scores make their rows NaN, as in torch's SDPA. K is first
+// packed per (sequence, KV head) into panels of 16 keys x HD dims
 // (kt[(j / 16) * HD * 16 + d * 16 + j % 16]) so the score product reads 16 keys of one dimension in two
 // loads; V is read in place (its rows are contiguous in the cache).
 //
@@ -35,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -89,16 +91,14 @@ inline void scores_tile(const float* q, const float* kt, float* S, int64_t ss) {
   }
 }
 
-// O (MR rows, columns c .. c + 15) += P (MR rows, n >= 1 keys; row stride ps) V (n rows, row stride vs).
+// W (MR rows of HD, columns c .. c + 15) = P (MR rows, n >= 1 keys; row stride ps) V (n rows, row
+// stride vs): one block's product, from zero (the caller merges it into the running output).
 template <int HD, int MR>
-inline void values_tile(const float* P, int64_t ps, const float* v, int64_t vs, int64_t n, float* O, int c) {
+inline void values_tile(const float* P, int64_t ps, const float* v, int64_t vs, int64_t n, float* W, int c) {
   __m256 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) {
-    a0[r] = _mm256_loadu_ps(O + r * HD + c);
-    a1[r] = _mm256_loadu_ps(O + r * HD + c + 8);
-  }
-  // n >= 1 (a do-while: with a for loop g++ kept a copy of the accumulators on the stack, stored
-  // on every iteration)
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  // a do-while (n >= 1): with a for loop g++ kept a copy of the accumulators on the stack, stored on
+  // every iteration
   const float* vr = v + c;
   const float* pr = P;
   do {
@@ -112,28 +112,33 @@ inline void values_tile(const float* P, int64_t ps, const float* v, int64_t vs, 
     ++pr;
   } while (--n > 0);
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(O + r * HD + c, a0[r]);
-    _mm256_storeu_ps(O + r * HD + c + 8, a1[r]);
+    _mm256_storeu_ps(W + r * HD + c, a0[r]);
+    _mm256_storeu_ps(W + r * HD + c + 8, a1[r]);
   }
 }
 
-// One group of mr rows (mr <= kMR) against keys [j0, j0 + n) of a block: scores, the online softmax
-// update of each row (running max m, sum l, O rescaled), O += P V. lim[r]: keys of row r in this
-// block (<= 0: none; the row is left as it was). P V runs over the keys every row of the group
-// attends, then each row's own further keys: no row reads a key past its position, so a non-finite
-// V of a later key stays out of it (0 x inf is NaN), and a row's sums run over its keys in order
-// whichever rows share its group (a chunk's rows come out bit for bit as the whole prompt's).
+// One group of mr rows (mr <= kMR) against keys [j0, j0 + n) of a block: scores, each row's online
+// softmax update (running max m, sum l), W = P V from zero, O = O alpha + W. lim[r]: keys of row r
+// in this block (<= 0: none; the row is left as it was). P V runs over the keys every row of the group
+// attends, then each row's own further keys: no row reads a key past its position, so a non-finite V
+// of a later key stays out of it (0 x inf is NaN), and a row's sums run over its keys in order
+// whichever rows share its group (a chunk's rows come out bit for bit as the whole prompt's). A block's
+// product is summed apart and then added to O (as torch's flash attention for CPU does), not chained
+// onto O over all S keys: the error of a long chain grew ~10x torch's at S = 8,192 on flat rows.
 template <int HD, int MR>
 void group_block(const float* q, const float* kt, const float* v, int64_t vs, int64_t n, const int64_t* lim,
-                 float* m, float* l, float* O, float* S) {
+                 float* m, float* l, float* O, float* S, float* W) {
   const int64_t width = (n + 15) / 16 * 16;
   for (int64_t p = 0; p < width; p += 16) scores_tile<HD, MR>(q, kt + p * HD, S + p, kKeys);
   int64_t shared = n;  // keys every row of the group attends
+  float alpha[kMR];
   for (int r = 0; r < MR; ++r) {
     float* s = S + r * kKeys;
     const int64_t c = std::min<int64_t>(lim[r], n);
     shared = std::min<int64_t>(shared, std::max<int64_t>(c, 0));
+    alpha[r] = 1.0f;
     if (c <= 0) continue;
+    // the row's max: a NaN score may be skipped here, but its exp below is NaN, and so is the row
     __m256 mv8 = _mm256_set1_ps(s[0]);
     int64_t j = 0;
     for (; j + 8 <= c; j += 8) mv8 = _mm256_max_ps(mv8, _mm256_loadu_ps(s + j));
@@ -143,7 +148,7 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
     float mx = _mm_cvtss_f32(h);
     for (; j < c; ++j) mx = std::max(mx, s[j]);
     const float mnew = std::max(m[r], mx);
-    const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mnew);
+    alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mnew);
     const __m256 mv = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= c; j += 8) {
@@ -156,28 +161,32 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
       s[j] = exp_nonpositive(s[j] - mnew);
       tail += s[j];
     }
-    l[r] = l[r] * alpha + (hsum256(sum) + tail);
+    l[r] = l[r] * alpha[r] + (hsum256(sum) + tail);
     m[r] = mnew;
-    if (alpha != 1.0f) {
-      const __m256 av = _mm256_set1_ps(alpha);
-      for (int d = 0; d < HD; d += 8) _mm256_storeu_ps(O + r * HD + d, _mm256_mul_ps(_mm256_loadu_ps(O + r * HD + d), av));
-    }
   }
   if (shared > 0)
-    for (int c = 0; c < HD; c += 16) values_tile<HD, MR>(S, kKeys, v, vs, shared, O, c);
-  for (int r = 0; r < MR; ++r) {  // the keys past `shared` that row r attends (the block's diagonal)
+    for (int c = 0; c < HD; c += 16) values_tile<HD, MR>(S, kKeys, v, vs, shared, W, c);
+  else
+    std::fill(W, W + MR * HD, 0.0f);
+  for (int r = 0; r < MR; ++r) {
     const int64_t c = std::min<int64_t>(lim[r], n);
-    for (int64_t j = shared; j < c; ++j) {
+    if (c <= 0) continue;
+    float* w = W + r * HD;
+    for (int64_t j = shared; j < c; ++j) {  // the keys past `shared` that row r attends (the block's diagonal)
       const __m256 x = _mm256_broadcast_ss(S + r * kKeys + j);
       for (int d = 0; d < HD; d += 8)
-        _mm256_storeu_ps(O + r * HD + d, _mm256_fmadd_ps(x, _mm256_loadu_ps(v + j * vs + d), _mm256_loadu_ps(O + r * HD + d)));
+        _mm256_storeu_ps(w + d, _mm256_fmadd_ps(x, _mm256_loadu_ps(v + j * vs + d), _mm256_loadu_ps(w + d)));
     }
+    const __m256 av = _mm256_set1_ps(alpha[r]);
+    float* o = O + r * HD;
+    for (int d = 0; d < HD; d += 8)
+      _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_loadu_ps(o + d), av, _mm256_loadu_ps(w + d)));
   }
 }
 
 template <int HD>
 using GroupFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, const int64_t*, float*, float*,
-                         float*, float*);
+                         float*, float*, float*);
 
 template <int HD>
 GroupFn<HD> group_fn(int64_t mr) {
@@ -192,11 +201,11 @@ GroupFn<HD> group_fn(int64_t mr) {
 }
 
 // Per-thread buffers of one work item: rows of scaled queries, outputs, running max and sum, the
-// scores / probabilities of one group.
+// scores / probabilities and the block's P V of one group.
 struct Rows {
-  std::vector<float> q, o, m, l, s;
+  std::vector<float> q, o, m, l, s, w;
   std::vector<int64_t> pos;
-  Rows(int64_t rows, int64_t hd) : q(rows * hd), o(rows * hd), m(rows), l(rows), s(kMR * kKeys), pos(rows) {}
+  Rows(int64_t rows, int64_t hd) : q(rows * hd), o(rows * hd), m(rows), l(rows), s(kMR * kKeys), w(kMR * hd), pos(rows) {}
 };
 
 // Work item: query positions [i0, i0 + nq) of the chunk's T, all `group` heads of KV head g of
@@ -226,7 +235,7 @@ void attend_item(const at::Tensor& q, const float* kt, const at::Tensor& v, int6
       if (n <= 0) continue;
       for (int64_t r = 0; r < mr; ++r) lim[r] = w.pos[r0 + r] + 1 - j0;
       group_fn<HD>(mr)(w.q.data() + r0 * HD, kt + j0 * HD, vd + j0 * vs, vs, n, lim, w.m.data() + r0, w.l.data() + r0,
-                       w.o.data() + r0 * HD, w.s.data());
+                       w.o.data() + r0 * HD, w.s.data(), w.w.data());
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -240,23 +249,27 @@ void attend_item(const at::Tensor& q, const float* kt, const at::Tensor& v, int6
 template <int HD>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& o) {
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), nkv = k.size(1), S = k.size(2);
-  const int64_t group = nh / nkv, start = S - T, Sp = (S + 15) / 16 * 16, nb = (T + kQ - 1) / kQ;
-  std::vector<float> kt(B * nkv * Sp * HD);
+  const int64_t group = nh / nkv, start = S - T, Sp = (S + 15) / 16 * 16;
+  // Query positions per work item: kQ, or fewer where that leaves under 4 items per thread (a short
+  // chunk over a long cache: 3 items of 32 rows on 2 threads left one thread idle a third of the call).
+  const int64_t want = 4 * at::get_num_threads(), per_pos = B * nkv;
+  const int64_t qb = std::clamp<int64_t>(T * per_pos / want, 1, kQ), nb = (T + qb - 1) / qb;
+  std::unique_ptr<float[]> kt(new float[B * nkv * Sp * HD]);  // every element written by pack_kt
   const float* kd = k.data_ptr<float>();
   at::parallel_for(0, B * nkv, 1, [&](int64_t a, int64_t e) {
     for (int64_t x = a; x < e; ++x)
-      pack_kt<HD>(kd + x / nkv * k.stride(0) + x % nkv * k.stride(1), k.stride(2), S, kt.data() + x * Sp * HD);
+      pack_kt<HD>(kd + x / nkv * k.stride(0) + x % nkv * k.stride(1), k.stride(2), S, kt.get() + x * Sp * HD);
   });
   float* od = o.data_ptr<float>();
   // Items in the order of query blocks 0, nb - 1, 1, nb - 2, ...: a causal chunk's late blocks attend to
   // more keys, and at::parallel_for hands each thread a contiguous range of items.
   at::parallel_for(0, nb * B * nkv, 1, [&](int64_t a, int64_t e) {
-    Rows w(kQ * group, HD);
+    Rows w(qb * group, HD);
     for (int64_t x = a; x < e; ++x) {
       const int64_t z = x / (B * nkv), bg = x % (B * nkv);
       const int64_t blk = z % 2 == 0 ? z / 2 : nb - 1 - z / 2;
-      const int64_t i0 = blk * kQ;
-      attend_item<HD>(q, kt.data() + bg * Sp * HD, v, bg / nkv, bg % nkv, group, start, T, i0, std::min(kQ, T - i0),
+      const int64_t i0 = blk * qb;
+      attend_item<HD>(q, kt.get() + bg * Sp * HD, v, bg / nkv, bg % nkv, group, start, T, i0, std::min(qb, T - i0),
                       scale, od, nh, w);
     }
   });

@@ -83,9 +83,10 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // exp(x) of 8 lanes for x <= 0: exp_nonpositive's steps with fused multiply-adds (x clamped at
 // kExpMin, n = round(x log2 e), r = x - n ln 2 with ln 2 in two parts, e^r by the degree-6
 // polynomial, 2^n built in the exponent bits; ~1 ulp). The float32 prefill attention's softmax
-// (prefill_attention.cpp). A NaN lane is clamped to kExpMin (vmaxps returns its second operand).
+// (prefill_attention.cpp). A NaN lane stays NaN, as in exp_nonpositive (vmaxps returns its second
+// operand when either is NaN).
 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  x = _mm256_max_ps(_mm256_set1_ps(kExpMin), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
