@@ -1,12 +1,17 @@
-"""Causal prefill attention of one window on the CPU: torch's SDPA against a blocked form built from
-batched matmuls (what a kernel of our own for the anchor builder's model pass would have to beat).
+"""Causal prefill attention of one chunk on the CPU: torch's SDPA against SFCL's float32 kernel
+(``torch.ops.sfcl.prefill_attention``, where it runs) and a blocked form built from batched matmuls
+(what a kernel of our own for the anchor builder's model pass would have to beat).
 
-Usage: python scripts/profile_prefill_attention.py [--tokens 1024] [--dtype bfloat16] [--threads 2]
+Usage: python scripts/profile_prefill_attention.py [--tokens 1024] [--start 0] [--dtype bfloat16]
+                                                   [--threads 2]
 
-Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64). The blocked form takes query
-blocks of 128 / 256 / 512 rows, stacks the query heads of each KV head into one GEMM, masks the
-diagonal block and softmaxes in float32. Prints the largest difference to SDPA and the p50 of 20
-calls each.
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64): ``--tokens`` queries at positions
+[start, start + tokens) over keys [0, start + tokens), as a prompt chunk after ``--start`` cached
+positions (SDPA then takes the chunk's bool mask, as ``Attention.prefill_attn`` passes it). SFCL's
+kernel runs in float32 with AVX2 (``--dtype float32``); the blocked form (``--start 0`` only) takes
+query blocks of 128 / 256 / 512 rows, stacks the query heads of each KV head into one GEMM, masks the
+diagonal block and softmaxes in float32. Prints the largest difference to SDPA, the p50 of 20 calls
+each and its rate in GFLOP/s counting the causal product's 4 nh hd (T start + T^2 / 2) FLOP.
 """
 
 from __future__ import annotations
@@ -39,17 +44,29 @@ def blocked(q, k, v, block: int) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--start", type=int, default=0, help="cached positions before the chunk")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     dt = getattr(torch, a.dtype)
-    T, nh, nkv, hd = a.tokens, 9, 3, 64
+    T, start, nh, nkv, hd = a.tokens, a.start, 9, 3, 64
+    S = start + T
     q = torch.randn(1, nh, T, hd, dtype=dt)
-    k, v = torch.randn(1, nkv, T, hd, dtype=dt), torch.randn(1, nkv, T, hd, dtype=dt)
-    fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
-    for b in (128, 256, 512):
-        fns[f"blocked {b}"] = lambda b=b: blocked(q, k, v, b)
+    k, v = torch.randn(1, nkv, S, hd, dtype=dt), torch.randn(1, nkv, S, hd, dtype=dt)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=start) if start else None
+    fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=not start, attn_mask=mask,
+                                                          enable_gqa=True)}
+    from sfcl.model import decode_kernel
+
+    if dt == torch.float32 and decode_kernel.load() and torch.ops.sfcl.prefill_attention_ready():
+        fns["sfcl prefill_attention"] = lambda: torch.ops.sfcl.prefill_attention(q, k, v, hd ** -0.5).transpose(1, 2)
+    else:
+        print("SFCL's prefill attention does not run here (float32 with an AVX2 kernel build only)", flush=True)
+    if not start:
+        for b in (128, 256, 512):
+            fns[f"blocked {b}"] = lambda b=b: blocked(q, k, v, b)
+    flop = 4 * nh * hd * (T * start + T * T / 2)
     ref = fns["sdpa"]().float()
     for name, f in fns.items():
         diff = float((f().float() - ref).abs().max())
@@ -61,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             f()
             ts.append(time.perf_counter() - t)
         ts.sort()
-        print(f"{name}: p50 {ts[10] * 1e3:.2f} ms (max |diff| to sdpa {diff:.3g})", flush=True)
-
+        print(f"{name}: p50 {ts[10] * 1e3:.2f} ms, {flop / ts[10] / 1e9:.0f} GFLOP/s (max |diff| to sdpa {diff:.3g})",
+              flush=True)
 
 if __name__ == "__main__":
     main()

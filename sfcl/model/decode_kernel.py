@@ -19,7 +19,10 @@ window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``tor
 ``-march`` enables AMX and the OS grants the tile state, ``torch.ops.sfcl.causal_attention_amx()``, else
 with AVX-512 BF16's vdpbf16ps; compiled where ``-march`` enables AVX-512 BF16;
 ``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
-``sfcl.anchors.model_pass``), and the module's ``anchor_search`` function and ``AnchorLookup`` class
+``sfcl.anchors.model_pass``), ``torch.ops.sfcl.prefill_attention`` (``prefill_attention.cpp``, the causal
+attention of a float32 prompt chunk over its KV cache with AVX2 and FMA, for ``Attention.prefill_attn``
+and the anchor builder's float32 windows; ``torch.ops.sfcl.prefill_attention_ready()`` says whether it
+was built here; ``sfcl.model.llama.native_prefill_attention``), and the module's ``anchor_search`` function and ``AnchorLookup`` class
 (``anchor_search.cpp`` bound in ``bindings.cpp``, the snapshot lookup's IVF pass;
 ``sfcl.library.index``), pybind11 bindings so that they keep the GIL.
 
@@ -222,7 +225,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
         print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, "
-              f"logit statistics, element-wise steps of prompt rows, attention entropy, the anchor build's attention: {len(SOURCES)} files) with the C++ compiler "
+              f"logit statistics, element-wise steps of prompt rows, attention entropy, the anchor build's attention, float32 prompt attention: {len(SOURCES)} files) with the C++ compiler "
               "(once per machine kind, ~1 min on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     t0 = time.perf_counter()

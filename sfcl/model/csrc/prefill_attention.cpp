@@ -21,8 +21,8 @@
 //
 // Why: torch 2.13's CPU flash attention (scaled_dot_product_attention), with the chunk's bool mask,
 // took 51% of a cold 3,600-token prefill in float32 on the AVX2 code paths of a 2-core AMD EPYC
-// (4.96 of 9.69 s), ~90 GFLOP/s of useful work against ~176 for a float32 GEMM of the model's shapes
-// (docs/performance-journal.md, twenty-ninth session).
+// (4.92 of 9.64 s), ~90 GFLOP/s of useful work against ~176 for a float32 GEMM of the model's shapes;
+// this kernel 3.27 of 7.92 s (docs/benchmarks.md, twenty-ninth session).
 //
 // Compiled where -march enables AVX2 and FMA; elsewhere prefill_attention_ready() is false and the
 // operator raises.
