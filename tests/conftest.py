@@ -35,6 +35,22 @@ def contractnli_docs(n: int | None = None):
     return docs[:n] if n else docs
 
 
+def tiny_llama(n_heads: int = 4, max_positions: int = 512):
+    """A 2-layer Llama (hidden 128, head size 64, 2 KV heads, vocabulary 200) with random weights of
+    seed 0 (norms in [0.8, 1.2], the rest N(0, 0.3)), float32, eval mode: (LlamaArgs, LlamaModel)."""
+    from sfcl.model.llama import LlamaArgs, LlamaModel
+
+    a = LlamaArgs(model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=256, n_layers=2,
+                  n_heads=n_heads, n_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=max_positions,
+                  tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    m = LlamaModel(a, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.3) if "norm" not in name else p.uniform_(0.8, 1.2)
+    return a, m.eval()
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)

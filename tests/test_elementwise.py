@@ -6,6 +6,7 @@ forward with them against the same forward with torch's operators."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_llama
 
 from sfcl.model import decode_kernel, llama
 from sfcl.model.llama import RMSNorm, apply_rope, native_rows
@@ -160,17 +161,10 @@ def test_prefill_with_the_operators_matches_torch_operators(kernel, monkeypatch,
     with torch's: the same logits up to the roundings RMSNorm's sum order moves (float32: within 1e-4 of the logits' spread),
     the same greedy tokens, and each operator called in each layer."""
     from sfcl.model.kv_cache import KVCache
-    from sfcl.model.llama import AttnBatch, LlamaArgs, LlamaModel
+    from sfcl.model.llama import AttnBatch
 
-    a = LlamaArgs(model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=256, n_layers=2, n_heads=4,
-                  n_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=512,
-                  tie_word_embeddings=False, attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    m = LlamaModel(a, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.normal_(0, 0.3) if "norm" not in name else p.uniform_(0.8, 1.2)
-    m = m.to(dtype).eval()
+    a, m = tiny_llama()
+    m = m.to(dtype)
     ids = torch.randint(0, 200, (1, 40))
 
     def run():

@@ -7,6 +7,7 @@ elsewhere these tests check that it says so."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_llama
 
 from sfcl.anchors import model_pass
 from sfcl.model import decode_kernel, llama
@@ -190,20 +191,6 @@ def test_the_model_takes_it_for_float32_only(kernel):
     assert not native_prefill_attention(torch.empty(2, 576, requires_grad=True), 64)  # autograd: torch's SDPA
 
 
-def _tiny_llama():
-    from sfcl.model.llama import LlamaArgs, LlamaModel
-
-    a = LlamaArgs(model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=256, n_layers=2, n_heads=6,
-                  n_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=1024,
-                  tie_word_embeddings=False, attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    m = LlamaModel(a, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.normal_(0, 0.3) if "norm" not in name else p.uniform_(0.8, 1.2)
-    return a, m.eval()
-
-
 def test_a_chunked_float32_prefill_with_it_matches_sdpa(avx2, monkeypatch):
     """A 2-layer float32 Llama over a 300-token prompt in two chunks (0-129, 130-299) with the kernel and
     with torch's SDPA (the path float32 took before): the same logits within 1e-4 of their spread and
@@ -211,7 +198,7 @@ def test_a_chunked_float32_prefill_with_it_matches_sdpa(avx2, monkeypatch):
     from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import AttnBatch
 
-    a, m = _tiny_llama()
+    a, m = tiny_llama(n_heads=6, max_positions=1024)
     ids = torch.randint(0, 200, (1, 300), generator=torch.Generator().manual_seed(1))
 
     def run():
@@ -239,7 +226,7 @@ def test_a_chunked_float32_prefill_with_it_matches_sdpa(avx2, monkeypatch):
 def test_the_builders_float32_windows_take_it(avx2, monkeypatch):
     """run_windows in float32 over three windows (two of one length): each layer but the snapshot
     layer's calls the kernel once per length, and the tap states match the pass on SDPA."""
-    _, m = _tiny_llama()
+    _, m = tiny_llama(n_heads=6, max_positions=1024)
     wins = [list(range(5, 69)), list(range(70, 134)), list(range(10, 40))]
     calls = []
     op = torch.ops.sfcl.prefill_attention
