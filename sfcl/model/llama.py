@@ -244,7 +244,9 @@ class Attention(nn.Module):
                      mask: torch.Tensor | None = None):
         """One sequence's prompt chunk. q (1, nh, T, hd), k/v (1, nkv, T, hd) at positions
         [start, start+T) of cache row ``slot``; attends to [0, start+T). mask: the (T, S) bool
-        causal mask for ``start > 0`` when the caller has it (``chunk_mask``; else built here).
+        causal mask for ``start > 0`` when the caller has it (``chunk_mask``; else built here), for
+        torch's SDPA: float32 chunks take ``torch.ops.sfcl.prefill_attention`` where
+        ``native_prefill_attention`` allows, which needs none (and returns o as a transposed view).
         Returns o (1, nh, T, hd) and probs (None, or float32 (1, nh, 1, S) for "last" /
         (1, nh, T, S) for "all")."""
         a = self.a
