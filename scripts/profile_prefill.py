@@ -10,10 +10,11 @@ token generated, in alternating order: once with SFCL's kernel and once with tor
 ``--compare elementwise`` (default): SFCL's element-wise operators (``torch.ops.sfcl.rms_norm``,
 ``silu_mul``, ``rope_``; ``sfcl.model.llama.native_rows``) against torch's; on a CPU where ``--dtype
 auto`` picks float32 they run in float32 (since the twenty-seventh session; before, float32 always
-took torch's operators). ``--compare attention``: the prompt chunks' causal attention on
-``torch.ops.sfcl.prefill_attention`` (``sfcl.model.llama.native_prefill_attention``; float32 with
-AVX2, since the twenty-ninth session) against torch's SDPA with the chunk's mask; where the model
-runs in bf16 both copies take SDPA, and the script says so. The two copies differ in their first
+took torch's operators). ``--compare attention``: the prompt chunks' causal attention on SFCL's
+kernel for the dtype (``sfcl.model.llama.prefill_attention`` where ``native_prefill_attention``
+allows: float32 with AVX2 since the twenty-ninth session, bf16 on AMX tiles or AVX-512 BF16 vectors
+since the thirtieth) against torch's SDPA with the chunk's mask; where neither runs both copies take
+SDPA, and the script says so. The two copies differ in their first
 token, so neither reuses the other's prefix-cache blocks. Prints the wall time of each (the prompt's
 prefill and the first token) and the medians; ``--profile`` then prefills the first prompt once more
 per copy under torch's profiler and prints each copy's eight costliest operators (self CPU time).
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     native = getattr(llama, name)
     dtype = next(lm.model.parameters()).dtype
     if a.compare == "attention" and not native(torch.empty(1, dtype=dtype), lm.model.a.head_dim):
-        print(f"note: SFCL's prefill attention does not run here ({dtype}, or no AVX2 kernel build): "
+        print(f"note: SFCL's prefill attention does not run here ({dtype}; float32 needs a kernel build with AVX2, "
+              "bf16 one with AVX-512 BF16): "
               "both copies take torch's SDPA", flush=True)
     times: dict[str, list[float]] = {"SFCL's": [], "torch's": []}
     def prefill(rid: str, first: int, p: list[int]) -> float:

@@ -1,6 +1,7 @@
-"""Causal prefill attention of one chunk on the CPU: torch's SDPA against SFCL's float32 kernel
-(``torch.ops.sfcl.prefill_attention``, where it runs) and a blocked form built from batched matmuls
-(what a kernel of our own for the anchor builder's model pass would have to beat).
+"""Causal prefill attention of one chunk on the CPU: torch's SDPA against SFCL's kernel for the dtype
+(``sfcl.model.llama.prefill_attention``, where ``native_prefill_attention`` allows it: float32 on AVX2,
+bf16 on AMX tiles or AVX-512 BF16 vectors) and a blocked form built from batched matmuls (what a kernel
+of our own for the anchor builder's model pass would have to beat).
 
 Usage: python scripts/profile_prefill_attention.py [--tokens 1024] [--start 0] [--dtype bfloat16]
                                                    [--threads 2]
@@ -8,7 +9,8 @@ Usage: python scripts/profile_prefill_attention.py [--tokens 1024] [--start 0] [
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64): ``--tokens`` queries at positions
 [start, start + tokens) over keys [0, start + tokens), as a prompt chunk after ``--start`` cached
 positions (SDPA then takes the chunk's bool mask, as ``Attention.prefill_attn`` passes it). SFCL's
-kernel runs in float32 with AVX2 (``--dtype float32``); the blocked form (``--start 0`` only) takes
+kernel: ``torch.ops.sfcl.prefill_attention`` in float32, ``torch.ops.sfcl.causal_attention`` in bf16
+(on AMX tiles where the CPU has them; ``--no-amx`` its AVX-512 BF16 vector path); the blocked form (``--start 0`` only) takes
 query blocks of 128 / 256 / 512 rows, stacks the query heads of each KV head into one GEMM, masks the
 diagonal block and softmaxes in float32. Prints the largest difference to SDPA, the p50 of 20 calls
 each and its rate in GFLOP/s counting the causal product's 4 nh hd (T start + T^2 / 2) FLOP.
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--start", type=int, default=0, help="cached positions before the chunk")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-amx", action="store_true", help="bf16: SFCL's AVX-512 BF16 vector path where AMX runs")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     dt = getattr(torch, a.dtype)
@@ -58,11 +61,17 @@ def main(argv: list[str] | None = None) -> None:
     fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=not start, attn_mask=mask,
                                                           enable_gqa=True)}
     from sfcl.model import decode_kernel
+    from sfcl.model.llama import native_prefill_attention, prefill_attention
 
-    if dt == torch.float32 and decode_kernel.load() and torch.ops.sfcl.prefill_attention_ready():
-        fns["sfcl prefill_attention"] = lambda: torch.ops.sfcl.prefill_attention(q, k, v, hd ** -0.5).transpose(1, 2)
+    if decode_kernel.load() and native_prefill_attention(q, hd):
+        if dt == torch.bfloat16 and a.no_amx:
+            fns["sfcl causal_attention (vectors)"] = lambda: torch.ops.sfcl.causal_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), hd ** -0.5, False).transpose(1, 2)
+        else:
+            fns[f"sfcl {a.dtype}"] = lambda: prefill_attention(q, k, v, hd ** -0.5).transpose(1, 2)
     else:
-        print("SFCL's prefill attention does not run here (float32 with an AVX2 kernel build only)", flush=True)
+        print(f"SFCL's prefill attention does not run here in {a.dtype} (float32 needs a kernel build with AVX2, "
+              "bf16 one with AVX-512 BF16)", flush=True)
     if not start:
         for b in (128, 256, 512):
             fns[f"blocked {b}"] = lambda b=b: blocked(q, k, v, b)

@@ -1,7 +1,8 @@
-"""The anchor builder's causal attention (``torch.ops.sfcl.causal_attention``;
-``csrc/causal_attention.cpp``), on AMX tiles and on AVX-512 BF16 vectors, against torch's causal SDPA,
-its errors, and the builder's pass (``sfcl.anchors.model_pass.run_windows``) with it against the same
-pass on torch's SDPA. The kernel runs where the CPU has AVX-512 BF16 and SFCL's kernels were built for
+"""SFCL's bf16 causal attention (``torch.ops.sfcl.causal_attention``; ``csrc/causal_attention.cpp``), on
+AMX tiles and on AVX-512 BF16 vectors, against torch's causal SDPA: of windows from position 0 (the anchor
+builder's) and of prompt chunks after cached positions (the server's), its errors, the builder's pass
+(``sfcl.anchors.model_pass.run_windows``) and a chunked bf16 prefill of the model with it against the
+same on torch's SDPA. The kernel runs where the CPU has AVX-512 BF16 and SFCL's kernels were built for
 it (its AMX path where the CPU also has AMX-BF16; the vector path is tested there too, with
 ``amx=False``); elsewhere these tests check that it says so and that the builder keeps torch's SDPA."""
 
@@ -76,12 +77,102 @@ def test_each_window_attends_from_its_own_start(amx):
         assert torch.equal(together[w : w + 1], alone)
 
 
+def _sdpa_chunk(q, k, v, dtype):
+    """torch's SDPA of queries at positions [S - Tq, S) over keys [0, S), in ``dtype``, in the kernel's
+    layout: q (n, Tq, nh, 64), k and v (n, S, nkv, 64) -> (n, Tq, nh, 64)."""
+    Tq, S = q.shape[1], k.shape[1]
+    mask = torch.ones(Tq, S, dtype=torch.bool).tril(S - Tq)
+    o = F.scaled_dot_product_attention(*(x.to(dtype).transpose(1, 2) for x in (q, k, v)), attn_mask=mask,
+                                       enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("start, Tq, nh, nkv", [(1, 1, 9, 3), (31, 1, 9, 3), (32, 7, 9, 3), (100, 33, 9, 3),
+                                                (1536, 512, 9, 3), (3000, 96, 4, 2), (17, 64, 2, 1)])
+@pytest.mark.parametrize("spread", (1.0, 4.0))
+def test_a_chunk_after_cached_positions_matches_torchs_sdpa(amx, start, Tq, nh, nkv, spread):
+    """Tq queries after ``start`` cached positions (the server's prompt chunks): within the error of
+    torch's own bf16 SDPA (with the chunk's causal mask) against float32."""
+    q, _, _ = _qkv(1, Tq, nh, nkv, seed=start + Tq, spread=spread)
+    _, k, v = _qkv(1, start + Tq, nh, nkv, seed=start + 7, spread=spread)
+    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    assert got.shape == (1, Tq, nh, 64) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    ref = _sdpa_chunk(q, k, v, torch.float32)
+    err = (got.float() - ref).abs().max().item()
+    torch_err = (_sdpa_chunk(q, k, v, torch.bfloat16).float() - ref).abs().max().item()
+    assert err <= 1.5 * torch_err + 2e-3, (err, torch_err)
+
+
+@pytest.mark.parametrize("cuts", [(0, 130, 300), (0, 1, 2, 33, 64, 65, 300), (0, 299, 300)])
+def test_chunks_equal_the_same_rows_of_the_whole_window(amx, cuts):
+    """A prompt computed in chunks (each over the keys before it and its own) gives the rows of the whole
+    window bit for bit: a row's scores, softmax and P V do not depend on where its chunk starts, so a
+    prompt's attention does not depend on how the server chunked it."""
+    q, k, v = _qkv(1, 300, 9, 3, seed=11, spread=2.0)
+    whole = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    for a, b in zip(cuts, cuts[1:]):
+        part = torch.ops.sfcl.causal_attention(q[:, a:b], k[:, :b], v[:, :b], 0.125, amx)
+        assert torch.equal(part, whole[:, a:b]), (a, b)
+
+
+def test_a_chunk_reads_keys_through_the_caches_strides(amx):
+    """k and v as the server passes them: (1, S, nkv, 64) transposed views of a (rows, nkv, max_len, 64)
+    cache row, not contiguous; the same result as from contiguous copies."""
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 2, 512, 64, generator=g).to(torch.bfloat16)  # (rows, nkv, max_len, hd)
+    q = torch.randn(1, 6, 40, 64, generator=g).to(torch.bfloat16).transpose(1, 2)  # (1, Tq, nh, hd) view
+    k, v = cache[1:2, :, :200].transpose(1, 2), cache[0:1, :, :200].transpose(1, 2)  # (1, S, nkv, hd) views
+    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    assert torch.equal(got, torch.ops.sfcl.causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, amx))
+
+
+def test_a_chunked_bf16_prefill_with_it_matches_sdpa(native, monkeypatch):
+    """A 2-layer bf16 Llama over a 300-token prompt in two chunks (0-129, 130-299) with the kernel and with
+    torch's SDPA (the path bf16 chunks took before), each against the same model in float32: the kernel's
+    logits no further from float32's than SDPA's (bf16's own error), the kernel called once per layer and
+    chunk."""
+    from conftest import tiny_llama
+
+    from sfcl.model import llama
+    from sfcl.model.kv_cache import KVCache
+    from sfcl.model.llama import AttnBatch
+
+    a, m32 = tiny_llama(n_heads=6, max_positions=1024)
+    ids = torch.randint(0, 200, (1, 300), generator=torch.Generator().manual_seed(1))
+
+    def run(m, dtype):
+        kv = KVCache(a, 1, 512, dtype)
+        kv.ensure_initialized(1, 512)
+        out = []
+        with torch.inference_mode():
+            for s, e in ((0, 130), (130, 300)):
+                batch = AttnBatch(is_prefill=True, slots=torch.tensor([0]), positions=torch.arange(s, e), kv_len=e)
+                out.append(m(ids[:, s:e], batch, kv, 1, all_positions=True, want_probs=False).logits.float())
+        return torch.cat(out, 1)
+
+    exact = run(m32, torch.float32)
+    m = m32.to(torch.bfloat16)
+    calls = []
+    op = torch.ops.sfcl.causal_attention
+    monkeypatch.setattr(torch.ops.sfcl, "causal_attention", lambda *x: calls.append((x[0].shape, x[1].shape)) or op(*x))
+    got = run(m, torch.bfloat16)
+    assert calls == [((1, 130, 6, 64), (1, 130, 2, 64))] * 2 + [((1, 170, 6, 64), (1, 300, 2, 64))] * 2
+    monkeypatch.setattr(llama, "native_prefill_attention", lambda *x: False)
+    ref = run(m, torch.bfloat16)
+    assert len(calls) == 4
+    err, torch_err = ((x - exact).abs().mean().item() for x in (got, ref))
+    assert err <= 1.25 * torch_err, (err, torch_err)
+    agree, torch_agree = ((x.argmax(-1) == exact.argmax(-1)).float().mean().item() for x in (got, ref))
+    assert agree >= torch_agree - 0.02, (agree, torch_agree)
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v: (q.float(), k.float(), v.float()), "bfloat16"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head size must be 64"),
     (lambda q, k, v: (q[:, :, :8], k[:, :, :3], v[:, :, :3]), "multiple of nkv"),
     (lambda q, k, v: (q[:, :, :0], k, v), "positive multiple of nkv"),
-    (lambda q, k, v: (q, k[:, :5], v[:, :5]), "differ in windows or tokens"),
+    (lambda q, k, v: (q, k[:, :5], v[:, :5]), "1 <= Tq <= S"),
+    (lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), "differ in windows"),
     (lambda q, k, v: (q.transpose(2, 3), k, v), "head size must be 64"),
     (lambda q, k, v: (q.requires_grad_(), k, v), "no autograd"),
 ])

@@ -94,7 +94,11 @@ def test_static_path_equals_eager_across_batch_and_length_buckets(kv_dtype):
         prefill(model, kv, 7, prompts[5], tap)
     before = [kvs[1].k[i][7, :, :30].clone() for i in range(TINY.n_layers)]
     rows: list[list[int]] = []  # per decode row: its tokens so far (row i lives in slot i)
-    tol = dict(rtol=1e-5, atol=1e-5) if kv_dtype == "auto" else dict(rtol=1e-4, atol=1e-4)
+    # INT8 KV: each path quantizes its own cache, so a ~1e-7 difference in a K or V value can flip one
+    # int8 rounding step for good: on AVX2 code paths with SFCL's float32 element-wise kernels that moved
+    # the logits by 1.2-1.9e-4 from step 27 on (a red CI run, 2026-12-07); 1e-3 is 0.25% of the logits'
+    # spread (std ~0.41), far below what a padded row or a wrong bucket does
+    tol = dict(rtol=1e-5, atol=1e-5) if kv_dtype == "auto" else dict(rtol=1e-3, atol=1e-3)
     schedule = {0: "join", 1: "join", 4: "join", 6: "join", 9: "join", 12: "leave0", 15: "join", 20: "leave2",
                 24: "leave0"}
     nxt = iter(prompts[:5] * 2)

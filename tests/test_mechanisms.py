@@ -17,7 +17,7 @@ def test_parse_steer(value, expect):
     assert parse_steer(value) == expect
 
 
-@pytest.mark.parametrize("bad", ["banana", "source+", "+", ["source", "x"], 3, {"m": 1}, [1]])
+@pytest.mark.parametrize("bad", ["banana", "source+", "+", ["source", "x"], 3, {"m": 1}, [1], "", "  ", []])
 def test_parse_steer_rejects_with_the_accepted_values(bad):
     with pytest.raises(ValueError, match="'source'"):
         parse_steer(bad)

@@ -179,13 +179,17 @@ def test_without_avx2_it_says_so_and_the_model_keeps_sdpa(kernel):
         assert not native_prefill_attention(torch.empty(1, 64), 64)
 
 
-def test_the_model_takes_it_for_float32_only(kernel):
+def test_the_model_takes_it_for_float32_and_bf16_its_own(kernel):
+    """float32 chunks take this kernel; bf16 chunks of head size 64 take the bf16 one
+    (``torch.ops.sfcl.causal_attention``, tests/test_causal_attention.py) where it runs."""
     ready = torch.ops.sfcl.prefill_attention_ready()
     with torch.inference_mode():
         assert native_prefill_attention(torch.empty(2, 576), 64) == ready
         assert native_prefill_attention(torch.empty(2, 576), 128) == ready
         assert not native_prefill_attention(torch.empty(2, 576), 80)
-        assert not native_prefill_attention(torch.empty(2, 576, dtype=torch.bfloat16), 64)
+        bf16_ready = torch.ops.sfcl.causal_attention_ready()
+        assert native_prefill_attention(torch.empty(2, 576, dtype=torch.bfloat16), 64) == bf16_ready
+        assert not native_prefill_attention(torch.empty(2, 576, dtype=torch.bfloat16), 128)
         assert not native_prefill_attention(torch.empty(2, 576, dtype=torch.float64), 64)
         assert model_pass.native_attention(torch.empty(1, 64)) == ready  # the builder's float32 windows
     assert not native_prefill_attention(torch.empty(2, 576, requires_grad=True), 64)  # autograd: torch's SDPA

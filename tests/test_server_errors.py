@@ -125,6 +125,15 @@ def test_anthropic_validation(url, body, expected):
     assert msg.startswith(expected), msg
 
 
+def test_empty_message_content_follows_each_routes_api(url):
+    """Empty content: a 400 on /v1/messages (Anthropic's rule, above), accepted on /v1/chat/completions
+    (OpenAI's API accepts it); both documented in docs/api.md."""
+    empty = [{"role": "user", "content": ""}]
+    anthropic_error(post(url, A, a_body(messages=empty)), 400, "invalid_request_error")
+    r = post(url, O, o_body(messages=empty, max_tokens=3))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
 @pytest.mark.parametrize("body, param, expected", [
     ({"messages": USER}, "model", "model: Field required"),
     (o_body(messages=[{"role": "bot", "content": "x"}]), "messages.0.role",
@@ -400,6 +409,18 @@ def test_request_tag_header_reaches_the_engine_and_bad_tags_are_400(serve):
     assert "x-sfcl-tag" in anthropic_error(r, 400, "invalid_request_error")
     r = post(base, "/v1/chat/completions", o_body(), headers={"x-sfcl-tag": "x" * 65})
     assert openai_error(r, 400, "x-sfcl-tag")
+
+
+@pytest.mark.parametrize("header", ["x-sfcl-steer", "x-sfcl-snapshot", "x-sfcl-tag"])
+def test_an_empty_sfcl_header_is_400_naming_it(url, header):
+    """An empty SFCL header is refused on both APIs, naming it: before, an empty x-sfcl-steer was read
+    as "off", and overrode the body's ``steer``, while the other two were 400s. (A blank one cannot be
+    sent: HTTP trims a field value's surrounding whitespace, and httpx refuses it.)"""
+    msg = anthropic_error(post(url, A, a_body(), headers={header: ""}), 400, "invalid_request_error")
+    assert msg.startswith(header), msg
+    openai_error(post(url, O, o_body(), headers={header: ""}), 400, header)
+    msg = anthropic_error(post(url, A, a_body(steer=""), headers={}), 400, "invalid_request_error")
+    assert msg.startswith("steer: invalid value ''"), msg
 
 
 @pytest.mark.parametrize("value", [5, 1, 2.5, {"source": True}, [1, 2]])

@@ -174,7 +174,7 @@ def test_every_mechanism_answers_and_reports_what_it_did(lm_fp32, nda_library):
         ([{"role": "system", "content": sys_}] if sys_ else []) + m, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False)["input_ids"]
     ids, cad_ids = enc(msgs), enc(*no_document_messages(msgs, None))
-    steers = ["", "source", "cad", "knn", "source+cad"]
+    steers = [False, "source", "cad", "knn", "source+cad"]
     evs = run_to_completion(eng, [(ids, SamplingParams(max_tokens=24, snapshot_mode="always", steer=st,
                                                        cad_prompt_ids=cad_ids)) for st in steers])
     plain = text_of(evs[0])

@@ -18,8 +18,8 @@ returns, from one causal forward of ``sfcl.model.llama.LlamaModel``'s own layers
 
 Windows are packed into batches of at most ``batch_tokens`` tokens: every linear layer runs once
 over the whole batch, attention once per run of equal-length windows with the windows as its batch
-(``torch.ops.sfcl.causal_attention``, SFCL's kernel on AMX tiles or AVX-512 BF16 vectors, where
-:func:`native_attention`; torch's causal SDPA elsewhere), except at the snapshot layer, whose weights the dispersion needs: there per window,
+(``sfcl.model.llama.prefill_attention``: SFCL's kernels, bf16 on AMX tiles or AVX-512 BF16 vectors,
+float32 on AVX2 and FMA, where :func:`native_attention`; torch's causal SDPA elsewhere), except at the snapshot layer, whose weights the dispersion needs: there per window,
 the scores by one matmul and the causal softmax with each row's entropy by one native pass
 (``torch.ops.sfcl.causal_softmax_entropy_``; torch's eager softmax where SFCL's kernels are not
 loaded). A window is one causal pass from position 0, so no
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from sfcl.model import decode_kernel
 from sfcl.model.hardware import gemm_gflops
-from sfcl.model.llama import native_prefill_attention
+from sfcl.model.llama import native_prefill_attention, prefill_attention
 from sfcl.snapshot.triggers import attention_dispersion, dispersion_from_entropy
 
 # Rows of logits made and reduced at once, into one block reused across a forward's rows: (512, V) =
@@ -117,28 +117,20 @@ def native_softmax(q: torch.Tensor) -> bool:
 
 
 def native_attention(q: torch.Tensor) -> bool:
-    """Whether a layer's causal attention (all but the snapshot layer's) runs on one of SFCL's kernels:
-    bf16 with head size 64 on ``torch.ops.sfcl.causal_attention`` (on AMX tiles where the CPU has AMX and
-    the OS grants the tile state, else with AVX-512 BF16's vdpbf16ps) where it runs, float32 on
-    ``torch.ops.sfcl.prefill_attention`` (AVX2 and FMA; ``sfcl.model.llama.native_prefill_attention``);
-    SFCL's kernels loaded, no autograd. Elsewhere torch's causal SDPA."""
-    if q.dtype == torch.float32:
-        return native_prefill_attention(q, q.shape[-1])
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and decode_kernel.loaded()
-            and not torch.is_grad_enabled() and torch.ops.sfcl.causal_attention_ready())
+    """Whether a layer's causal attention (all but the snapshot layer's) runs on one of SFCL's kernels
+    (``sfcl.model.llama.native_prefill_attention``: float32 on AVX2 and FMA, bf16 with head size 64 on
+    AMX tiles or AVX-512 BF16 vectors). Elsewhere torch's causal SDPA."""
+    return native_prefill_attention(q, q.shape[-1])
 
 
 def windows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
     """Causal attention of n windows of T tokens, each from its position 0: q (n, T, nh, hd), k and v
     (n, T, nkv, hd) in the model's dtype; ``scale`` the layer's (1 / sqrt(hd), SDPA's default, which it
-    keeps). Returns (n T, nh hd): SFCL's kernel for the dtype where ``native`` (:func:`native_attention`),
-    torch's causal SDPA (GQA) otherwise."""
+    keeps). Returns (n T, nh hd): SFCL's kernel for the dtype where ``native`` (:func:`native_attention`,
+    ``sfcl.model.llama.prefill_attention``), torch's causal SDPA (GQA) otherwise."""
     n, T = q.shape[:2]
-    if native and q.dtype == torch.float32:
-        return torch.ops.sfcl.prefill_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                scale).view(n * T, -1)
     if native:
-        return torch.ops.sfcl.causal_attention(q, k, v, scale).view(n * T, -1)
+        return prefill_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).view(n * T, -1)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                        enable_gqa=True)  # (n, nh, T, hd)
     return o.transpose(1, 2).reshape(n * T, -1)

@@ -15,11 +15,12 @@ surprisal in one pass; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.rms_norm``
 prompt chunks and the anchor builder; ``sfcl.model.llama``), ``torch.ops.sfcl.causal_softmax_entropy_``
 (``attention_entropy.cpp``, the snapshot layer's causal attention weights and their entropy over a
 window, for the anchor builder's dispersion; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.causal_attention``
-(``causal_attention.cpp``, the anchor builder's causal attention of the other layers, on AMX tiles where
+(``causal_attention.cpp``, bf16 causal attention: the anchor builder's windows at the other layers and
+the server's bf16 prompt chunks over their KV cache, on AMX tiles where
 ``-march`` enables AMX and the OS grants the tile state, ``torch.ops.sfcl.causal_attention_amx()``, else
 with AVX-512 BF16's vdpbf16ps; compiled where ``-march`` enables AVX-512 BF16;
 ``torch.ops.sfcl.causal_attention_ready()`` says whether it runs here;
-``sfcl.anchors.model_pass``), ``torch.ops.sfcl.prefill_attention`` (``prefill_attention.cpp``, the causal
+``sfcl.model.llama.prefill_attention``), ``torch.ops.sfcl.prefill_attention`` (``prefill_attention.cpp``, the causal
 attention of a float32 prompt chunk over its KV cache with AVX2 and FMA, for ``Attention.prefill_attn``
 and the anchor builder's float32 windows; ``torch.ops.sfcl.prefill_attention_ready()`` says whether it
 was built here; ``sfcl.model.llama.native_prefill_attention``), and the module's ``anchor_search`` function and ``AnchorLookup`` class

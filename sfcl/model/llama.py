@@ -109,15 +109,34 @@ def native_rows(x: torch.Tensor, *more: torch.Tensor) -> bool:
 
 
 def native_prefill_attention(x: torch.Tensor, head_dim: int) -> bool:
-    """Whether a prompt chunk's causal attention runs on SFCL's float32 kernel
-    (``torch.ops.sfcl.prefill_attention``, ``csrc/prefill_attention.cpp``: AVX2 and FMA) instead of
-    torch's SDPA, for queries like ``x`` (any activation of the layer: dtype, device, autograd):
-    float32 on the CPU, ``head_dim`` 64 or 128, no autograd, the kernel library loaded
-    (``decode_kernel.loaded``) and built with AVX2, not under torch.compile. The same softmax in
-    float32 up to the order of the sums (max |difference| ~1e-6 on unit-variance inputs)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and head_dim in (64, 128)
-            and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
-            and decode_kernel.loaded() and torch.ops.sfcl.prefill_attention_ready())
+    """Whether a prompt chunk's causal attention runs on one of SFCL's kernels
+    (:func:`prefill_attention`) instead of torch's SDPA, for queries like ``x`` (any activation of the
+    layer: dtype, device, autograd): on the CPU, no autograd, the kernel library loaded
+    (``decode_kernel.loaded``), not under torch.compile, and either float32 with ``head_dim`` 64 or 128
+    on a build with AVX2 (``torch.ops.sfcl.prefill_attention_ready``) or bf16 with ``head_dim`` 64 on a
+    build that runs AVX-512 BF16 or AMX (``torch.ops.sfcl.causal_attention_ready``). float32: the same
+    softmax up to the order of the sums (max |difference| ~1e-6 on unit-variance inputs); bf16: the
+    exponentials rounded to bf16 before P V, as torch's CPU flash attention does."""
+    if (x.device.type != "cpu" or torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad)
+            or not decode_kernel.loaded()):
+        return False
+    if x.dtype == torch.float32:
+        return head_dim in (64, 128) and torch.ops.sfcl.prefill_attention_ready()
+    return x.dtype == torch.bfloat16 and head_dim == 64 and torch.ops.sfcl.causal_attention_ready()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of prompt chunks on SFCL's kernel for their dtype, where
+    :func:`native_prefill_attention` allows it: q (B, nh, T, hd), k and v (B, nkv, S, hd) (S >= T; the
+    last dimension contiguous, any other strides; nh a multiple of nkv) in float32 or bf16, the queries
+    at positions [S - T, S) over keys [0, S), softmax of ``scale`` q . k. Returns o (B, T, nh, hd) in
+    q's dtype, contiguous. float32: ``torch.ops.sfcl.prefill_attention`` (``csrc/prefill_attention.cpp``,
+    flash-attention recurrence on AVX2 and FMA); bf16: ``torch.ops.sfcl.causal_attention``
+    (``csrc/causal_attention.cpp``, AMX tiles or AVX-512 BF16 vectors). Raises RuntimeError for
+    arguments the kernel cannot take."""
+    if q.dtype == torch.float32:
+        return torch.ops.sfcl.prefill_attention(q, k, v, scale)
+    return torch.ops.sfcl.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale)
 
 
 class RMSNorm(nn.Module):
@@ -245,7 +264,7 @@ class Attention(nn.Module):
         """One sequence's prompt chunk. q (1, nh, T, hd), k/v (1, nkv, T, hd) at positions
         [start, start+T) of cache row ``slot``; attends to [0, start+T). mask: the (T, S) bool
         causal mask for ``start > 0`` when the caller has it (``chunk_mask``; else built here), for
-        torch's SDPA: float32 chunks take ``torch.ops.sfcl.prefill_attention`` where
+        torch's SDPA: chunks take SFCL's kernel (``prefill_attention``) where
         ``native_prefill_attention`` allows, which needs none (and returns o as a transposed view).
         Returns o (1, nh, T, hd) and probs (None, or float32 (1, nh, 1, S) for "last" /
         (1, nh, T, S) for "all")."""
@@ -266,8 +285,8 @@ class Attention(nn.Module):
             p = s.softmax(-1)  # (1, nkv, g, T, S) fp32
             o = torch.matmul(p.to(vv.dtype).view(1, nkv, g * T, S), vv)  # (1, nkv, g T, hd)
             return o.view(1, nh, T, hd), p.view(1, nh, T, S)
-        if kk.dtype == torch.float32 and native_prefill_attention(q, hd):  # no mask to build; (1, T, nh, hd)
-            o = torch.ops.sfcl.prefill_attention(q, kk, vv, self.scale).transpose(1, 2)  # (1, nh, T, hd)
+        if kk.dtype == q.dtype and native_prefill_attention(q, hd):  # no mask to build
+            o = prefill_attention(q, kk, vv, self.scale).transpose(1, 2)  # (1, T, nh, hd) -> (1, nh, T, hd)
         else:
             if start and mask is None:
                 mask = chunk_mask(T, start, q.device)
@@ -621,7 +640,7 @@ class LlamaModel(nn.Module):
         """``forward_step``'s decoder layers in Python: h (N, H), cos / sin (1, N, 1, hd). Returns
         (h after the last layer (N, H), h after layer ``tap_layer`` (N, H), its attention weights
         per part, as ``Attention.forward_step`` gives them)."""
-        # masks once per step, not per layer (none for SFCL's float32 prefill attention, which needs none)
+        # masks once per step, not per layer (none for SFCL's prefill attention kernels, which need none)
         bias = decode_bias(step.decode.mask) if step.n_decode > 1 else None
         masks = (None if native_prefill_attention(h, self.a.head_dim)
                  else [chunk_mask(c.length, c.start, h.device) for c in step.chunks])

@@ -16,7 +16,8 @@ def parse_steer(value) -> tuple[str, ...]:
 
     Accepts True / False / None, "on" / "off" / "true" / "false", a mechanism name, a
     "+"-joined combination ("source+cad") or a list of names. Raises ValueError naming the
-    accepted values for anything else."""
+    accepted values for anything else, the empty string included (an empty ``x-sfcl-steer`` header
+    is refused, as an empty ``x-sfcl-snapshot`` or ``x-sfcl-tag`` is, rather than read as "off")."""
     if value is None or value is False:
         return ()
     if value is True:
@@ -25,7 +26,7 @@ def parse_steer(value) -> tuple[str, ...]:
         return tuple(m for m in MECHANISMS if m in value)
     if isinstance(value, str):
         v = value.strip().lower()
-        if v in ("off", "false", "0", "none", ""):
+        if v in ("off", "false", "0", "none"):
             return ()
         if v in ("on", "true", "1"):
             return DEFAULT_STEER

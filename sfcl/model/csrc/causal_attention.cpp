@@ -1,9 +1,11 @@
-// Causal self-attention of prompt windows for the anchor builder's model pass (sfcl/anchors/model_pass.py),
-// on Intel AMX tiles or, on CPUs with AVX-512 BF16 but no AMX (AMD EPYC Zen 4), with vdpbf16ps on
-// 512-bit vectors: every window attends from its position 0, no KV cache.
+// Causal self-attention in bf16 on Intel AMX tiles or, on CPUs with AVX-512 BF16 but no AMX (AMD EPYC
+// Zen 4), with vdpbf16ps on 512-bit vectors: of prompt windows from their position 0 for the anchor
+// builder's model pass (sfcl/anchors/model_pass.py), and of the server's bf16 prompt chunks, whose
+// queries follow S - Tq positions already in the KV cache (sfcl/model/llama.py, Attention.prefill_attn).
 //
 //   o[w, i, h] = sum_{j <= i} p[i, j] v[w, j, g(h)],   p[i, :] = softmax_j(scale q[w, i, h] . k[w, j, g(h)])
 //
+// for the query positions i in [S - Tq, S), keys j in [0, S),
 // with g(h) = h / (nh / nkv) (grouped-query attention). Per (window, head, block of 32 queries):
 // the block's scores against keys 0 .. its last row, S = Q K^T (bf16 in, float32 accumulated); each
 // row's causal softmax in float32 with AVX-512 (softmax_row: an exp of fused multiply-adds, relative
@@ -11,9 +13,12 @@
 // for CPU does: its P is rounded to the input dtype before the product with V); O = P V.
 // K and V are first packed per (window, KV head) into the pair-interleaved ("VNNI") layout that both
 // AMX's tile product and vdpbf16ps read their second operand in: a 64-byte row holds 16 columns x 2
-// consecutive reduction elements. A block is 32 rows x at most T keys, so the whole row of scores fits
-// a per-thread float32 buffer and no online rescaling is needed (32 x T float32 and bf16 per thread:
-// 0.8 MB at T = 4,096).
+// consecutive reduction elements. A block is 32 rows x at most S keys, so the whole row of scores fits
+// a per-thread float32 buffer and no online rescaling is needed (32 x S float32 and bf16 per thread:
+// 0.8 MB at S = 4,096, 1.6 MB at 8,192).
+//
+// A prompt chunk's K and V are packed whole for every call (O(S) per chunk and layer against the
+// O(Tq S) product).
 //
 // Why: torch 2.13's CPU flash attention (scaled_dot_product_attention) ran the build's 29 causal
 // layers at ~12 ms per 4 windows x 1,024 tokens on 2 threads of an Intel Xeon with AMX, about 6x the
@@ -212,8 +217,9 @@ inline __m512bh pair16(const bf16* row, int64_t e) {
 }
 
 // S = Q K^T with vdpbf16ps: query rows in groups of 8, each group against 32 keys at a time (16
-// accumulators of 16 keys), over the keys up to its last row (clipped to T - 1: rows past T read a
-// finite row, never written out); the entries past a row's own position are never read. qa (32 rows,
+// accumulators of 16 keys), over the keys up to its last row's position (i0 the block's first, T the
+// number of keys; clipped to T - 1: rows past the last query read a finite row, never written out); the
+// entries past a row's own position are never read. qa (32 rows,
 // stride qstride), kp packed by pack_k (a 64-byte row of a tile: one dimension pair of 16 keys); S's
 // row stride ss.
 void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int64_t T, float* S, int64_t ss) {
@@ -242,7 +248,8 @@ void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int
 }
 
 // O (32, 64) = P V with vdpbf16ps: query rows in groups of 4 (16 accumulators: 4 rows x 64 columns),
-// each over the key pairs up to its last row (P is zero past a row's position). P bf16 with row stride
+// each over the key pairs up to its last row's position (i0 the block's first, T the number of keys; P
+// is zero past a row's position). P bf16 with row stride
 // ss; vp packed by pack_v (a 64-byte row of a tile: 16 columns of one key pair).
 void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T, float* obuf) {
   for (int64_t g = 0; g < kBlock / 4; ++g) {
@@ -264,38 +271,41 @@ void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T
   }
 }
 
-// One (window, head, query block): rows i0 .. i0 + 31 of o, on AMX tiles where amx, else with vdpbf16ps.
-void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t T, int64_t i0, float scale,
-                  bf16* o, int64_t os, float* S, bf16* P, bf16* qpad, float* obuf, bool amx) {
-  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock;
-  const int64_t kend = std::min(i0 + kBlock, Tp);  // keys the block's last row can attend, rounded up to 32
-  const int64_t rows = std::min(kBlock, T - i0);
+// One (window, head, query block): query rows i0 .. i0 + 31 of o, at positions off + i0 .. (off = S - Tq:
+// a prompt chunk after off cached positions; 0 for a window), over keys 0 .. S - 1 of kp / vp; on AMX
+// tiles where amx, else with vdpbf16ps.
+void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t Tq, int64_t S, int64_t i0,
+                  float scale, bf16* o, int64_t os, float* Sbuf, bf16* P, bf16* qpad, float* obuf, bool amx) {
+  const int64_t Sp = (S + kBlock - 1) / kBlock * kBlock;
+  const int64_t p0 = S - Tq + i0;  // the block's first position
+  const int64_t kend = std::min((p0 + 2 * kBlock - 1) / kBlock * kBlock, Sp);  // keys its last row can attend, rounded up to 32
+  const int64_t rows = std::min(kBlock, Tq - i0);
   const bf16* qa = q + i0 * qs;
   int64_t qstride = qs;
-  if (rows < kBlock) {  // the window's last block: its rows past T read as zeros from a padded copy
+  if (rows < kBlock) {  // the last block: its rows past Tq read as zeros from a padded copy
     std::fill(qpad, qpad + kBlock * kHeadDim, bf16(0.0f));
     for (int64_t r = 0; r < rows; ++r) std::memcpy(qpad + r * kHeadDim, qa + r * qs, kHeadDim * sizeof(bf16));
     qa = qpad;
     qstride = kHeadDim;
   }
-  const int64_t ss = Tp + kPad;
+  const int64_t ss = Sp + kPad;
 #ifdef SFCL_AMX
   if (amx)
-    scores_amx(qa, qstride, kp, kend, S, ss);
+    scores_amx(qa, qstride, kp, kend, Sbuf, ss);
   else
 #endif
-    scores_vec(qa, qstride, kp, i0, T, S, ss);
+    scores_vec(qa, qstride, kp, p0, S, Sbuf, ss);
   float inv[kBlock];
   for (int64_t r = 0; r < kBlock; ++r) {
-    const int64_t i = std::min(i0 + r, T - 1);  // rows past T: any finite row, never written out
-    inv[r] = softmax_row(S + r * ss, i, kend, scale, P + r * ss);
+    const int64_t i = std::min(p0 + r, S - 1);  // rows past Tq: any finite row, never written out
+    inv[r] = softmax_row(Sbuf + r * ss, i, kend, scale, P + r * ss);
   }
 #ifdef SFCL_AMX
   if (amx)
     values_amx(P, ss, vp, kend, obuf);
   else
 #endif
-    values_vec(P, ss, vp, i0, T, obuf);
+    values_vec(P, ss, vp, p0, S, obuf);
   for (int64_t r = 0; r < rows; ++r) {  // o = O / Z, rounded to bf16
     bf16* orow = o + (i0 + r) * os;
     const __m512 f = _mm512_set1_ps(inv[r]);
@@ -328,57 +338,60 @@ bool causal_attention_ready() {
 #endif
 }
 
-// q (n, T, nh, 64), k and v (n, T, nkv, 64): bf16 CPU tensors whose last dimension is contiguous,
-// nh a multiple of nkv, T >= 1. Returns o (n, T, nh, 64) bf16 contiguous: each window's
-// causal attention from its position 0, softmax of scale q . k. amx: on AMX tiles where they run
-// (causal_attention_amx()); false takes the AVX-512 BF16 vector path on any CPU that runs the kernel
-// (the tests compare both on an AMX CPU). Raises (RuntimeError) where causal_attention_ready() is false
-// or for arguments that do not fit together.
+// q (n, Tq, nh, 64), k and v (n, S, nkv, 64): bf16 CPU tensors whose last dimension is contiguous,
+// nh a multiple of nkv, 1 <= Tq <= S. Returns o (n, Tq, nh, 64) bf16 contiguous: each window's causal
+// attention, softmax of scale q . k, its queries at positions S - Tq .. S - 1 over keys 0 .. S - 1 (Tq
+// = S: a window from its position 0, the anchor builder's; Tq < S: a prompt chunk after S - Tq cached
+// positions, the server's). amx: on AMX tiles where they run (causal_attention_amx()); false takes the
+// AVX-512 BF16 vector path on any CPU that runs the kernel (the tests compare both on an AMX CPU).
+// Raises (RuntimeError) where causal_attention_ready() is false or for arguments that do not fit
+// together.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool amx) {
   TORCH_CHECK(causal_attention_ready(), "causal_attention: needs a CPU with AVX-512 BF16 (or AMX-BF16) and a "
               "kernel build with -march enabling it");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "causal_attention: CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "causal_attention: q, k, v must be bfloat16");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "causal_attention: q (n, T, nh, hd), k and v (n, T, nkv, hd)");
-  const int64_t n = q.size(0), T = q.size(1), nh = q.size(2), nkv = k.size(2);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "causal_attention: q (n, Tq, nh, hd), k and v (n, S, nkv, hd)");
+  const int64_t n = q.size(0), Tq = q.size(1), nh = q.size(2), S = k.size(1), nkv = k.size(2);
   TORCH_CHECK(q.size(3) == kHeadDim && k.size(3) == kHeadDim, "causal_attention: the head size must be 64, got ",
               q.size(3), " and ", k.size(3));
-  TORCH_CHECK(k.size(0) == n && k.size(1) == T, "causal_attention: q ", q.sizes(), " and k ", k.sizes(),
-              " differ in windows or tokens");
+  TORCH_CHECK(k.size(0) == n, "causal_attention: q ", q.sizes(), " and k ", k.sizes(), " differ in windows");
+  TORCH_CHECK(Tq >= 1 && Tq <= S, "causal_attention: 1 <= Tq <= S query positions, got q ", q.sizes(), " and k ",
+              k.sizes());
   TORCH_CHECK(nkv >= 1 && nh >= 1 && nh % nkv == 0, "causal_attention: nh must be a positive multiple of nkv, got nh = ",
               nh, ", nkv = ", nkv);
   TORCH_CHECK(!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()),
               "causal_attention: no autograd; call it under torch.inference_mode() or torch.no_grad()");
-  TORCH_CHECK(T >= 1, "causal_attention: windows of at least one token, got T = ", T);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: the head dimension must be contiguous");
-  at::Tensor o = at::empty({n, T, nh, kHeadDim}, q.options());
+  at::Tensor o = at::empty({n, Tq, nh, kHeadDim}, q.options());
 #ifdef SFCL_BF16_VEC
   const bool tiles = amx && causal_attention_amx();
-  const int64_t Tp = (T + kBlock - 1) / kBlock * kBlock, nb = Tp / kBlock, group = nh / nkv;
-  const int64_t tile_elems = Tp * kHeadDim;  // bf16 per packed K (or V) of one (window, KV head)
+  const int64_t Sp = (S + kBlock - 1) / kBlock * kBlock, nb = (Tq + kBlock - 1) / kBlock, group = nh / nkv;
+  const int64_t tile_elems = Sp * kHeadDim;  // bf16 per packed K (or V) of one (window, KV head)
   std::vector<bf16> kp(n * nkv * tile_elems), vp(n * nkv * tile_elems);
   const bf16 *qd = q.data_ptr<bf16>(), *kd = k.data_ptr<bf16>(), *vd = v.data_ptr<bf16>();
   at::parallel_for(0, n * nkv, 1, [&](int64_t a, int64_t b) {
     for (int64_t x = a; x < b; ++x) {
       const int64_t w = x / nkv, g = x % nkv;
-      pack_k(kd + w * k.stride(0) + g * k.stride(2), k.stride(1), T, Tp, kp.data() + x * tile_elems);
-      pack_v(vd + w * v.stride(0) + g * v.stride(2), v.stride(1), T, Tp, vp.data() + x * tile_elems);
+      pack_k(kd + w * k.stride(0) + g * k.stride(2), k.stride(1), S, Sp, kp.data() + x * tile_elems);
+      pack_v(vd + w * v.stride(0) + g * v.stride(2), v.stride(1), S, Sp, vp.data() + x * tile_elems);
     }
   });
   bf16* od = o.data_ptr<bf16>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * nh * nb, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> S(kBlock * (Tp + kPad)), obuf(kBlock * kHeadDim);
-    std::vector<bf16> P(kBlock * (Tp + kPad)), qpad(kBlock * kHeadDim);
+    std::vector<float> Sbuf(kBlock * (Sp + kPad)), obuf(kBlock * kHeadDim);
+    std::vector<bf16> P(kBlock * (Sp + kPad)), qpad(kBlock * kHeadDim);
 #ifdef SFCL_AMX
     if (tiles) load_tile_config();
 #endif
     for (int64_t x = a; x < b; ++x) {
       const int64_t w = x / (nh * nb), h = x / nb % nh, blk = x % nb, g = h / group;
       attend_block(qd + w * q.stride(0) + h * q.stride(2), q.stride(1), kp.data() + (w * nkv + g) * tile_elems,
-                   vp.data() + (w * nkv + g) * tile_elems, T, blk * kBlock, sc, od + w * T * nh * kHeadDim + h * kHeadDim,
-                   nh * kHeadDim, S.data(), P.data(), qpad.data(), obuf.data(), tiles);
+                   vp.data() + (w * nkv + g) * tile_elems, Tq, S, blk * kBlock, sc,
+                   od + w * Tq * nh * kHeadDim + h * kHeadDim, nh * kHeadDim, Sbuf.data(), P.data(), qpad.data(),
+                   obuf.data(), tiles);
     }
 #ifdef SFCL_AMX
     if (tiles) _tile_release();
