@@ -202,6 +202,28 @@ def test_nan_scores_make_their_rows_nan(amx, where):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))
+def test_a_non_finite_value_reaches_only_the_rows_that_attend_it(amx, bad):
+    """v[key 10, KV head 1, dim 5] not finite: rows before key 10 are as if it were 0, bit for bit (P V
+    multiplies groups of rows by every key up to the group's last row, and 0 x NaN had made rows 8-9 NaN;
+    found by a tester), rows from 10 on of heads 3-5 get NaN / the inf in that dimension and nothing
+    else changes; a chunk still equals the same rows of the whole window."""
+    q, k, v = (x.clone() for x in _qkv(1, 70, 9, 3, seed=8))
+    clean = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    v[0, 10, 1, 5] = bad
+    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    hit = torch.zeros_like(got, dtype=torch.bool)
+    hit[0, 10:, 3:6, 5] = True
+    assert torch.equal(got[~hit], clean[~hit])
+    if bad != bad:
+        assert got[hit].isnan().all()
+    else:
+        assert (got[hit].float() == bad).all()
+    for a, b in ((8, 12), (0, 10), (10, 11), (33, 70)):
+        part = torch.ops.sfcl.causal_attention(q[:, a:b], k[:, :b], v[:, :b], 0.125, amx)
+        torch.testing.assert_close(part, got[:, a:b], rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_amx_path_runs_only_where_the_kernel_does(kernel):
     assert not torch.ops.sfcl.causal_attention_amx() or torch.ops.sfcl.causal_attention_ready()
 

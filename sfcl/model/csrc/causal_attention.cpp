@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -67,31 +68,70 @@ constexpr int64_t kPad = 16;
 using bf16 = c10::BFloat16;
 
 // K of one (window, KV head) -> tiles of 16 keys x 32 dims, pair-interleaved: kp[(kb * 2 + s) * 512 +
-// r * 32 + n * 2 + p] = k[kb * 16 + n][s * 32 + 2 r + p]; keys >= T are zeros.
+// r * 32 + n * 2 + p] = k[kb * 16 + n][s * 32 + 2 r + p]; keys >= T are zeros. As 32-bit words (one
+// dimension pair) a tile is the transpose of its 16 keys' 16 words: row r gathers word r of each key.
 void pack_k(const bf16* k, int64_t ks, int64_t T, int64_t Tp, bf16* kp) {
-  for (int64_t kb = 0; kb < Tp / 16; ++kb)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(ks)));  // key n at n ks elements
+  for (int64_t kb = 0; kb < Tp / 16; ++kb) {
+    const int64_t live = std::clamp<int64_t>(T - kb * 16, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << live) - 1u);
     for (int64_t s = 0; s < 2; ++s) {
       bf16* t = kp + (kb * 2 + s) * 512;
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t j = kb * 16 + n;
-        for (int64_t r = 0; r < 16; ++r)
-          for (int64_t p = 0; p < 2; ++p)
-            t[r * 32 + n * 2 + p] = j < T ? k[j * ks + s * 32 + 2 * r + p] : bf16(0.0f);
+      const bf16* src = k + kb * 16 * ks + s * 32;
+      for (int64_t r = 0; r < 16; ++r)
+        _mm512_storeu_si512(t + r * 32, live ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                                           src + 2 * r, 2)
+                                             : _mm512_setzero_si512());
+    }
+  }
+}
+
+// V of one (window, KV head) -> tiles of 32 keys x 16 dims, pair-interleaved: vp[(kb * 4 + c) * 512 +
+// r * 32 + n * 2 + p] = v[kb * 32 + 2 r + p][c * 16 + n]; keys >= T are zeros, and so are V's non-finite
+// elements (NaN, +-inf): P V multiplies a whole group of rows (a tile, or 4 rows on vectors) by every
+// key up to its last row's position, and 0 x NaN would reach rows before a NaN key (P is 0 there).
+// Their keys are listed in bad (ascending), and finish_nonfinite adds them to the rows that attend them.
+inline bool finite(bf16 x) { return (x.x & 0x7f80) != 0x7f80; }  // exponent not all ones: not NaN or +-inf
+
+// Lanes of 32 bf16 whose exponent is all ones (NaN or +-inf).
+inline __mmask32 nonfinite32(__m512i x) {
+  const __m512i e = _mm512_set1_epi16(0x7f80);
+  return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, e), e);
+}
+
+void pack_v(const bf16* v, int64_t vs, int64_t T, int64_t Tp, bf16* vp, std::vector<int32_t>& bad) {
+  bad.clear();
+  for (int64_t j = 0; j < T; ++j) {
+    const bf16* row = v + j * vs;
+    if (nonfinite32(_mm512_loadu_si512(row)) | nonfinite32(_mm512_loadu_si512(row + 32)))
+      bad.push_back(static_cast<int32_t>(j));
+  }
+  for (int64_t kb = 0; kb < Tp / 32; ++kb)
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t j = kb * 32 + 2 * r;  // keys j (p = 0, the low half of each word) and j + 1 (p = 1)
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m256i a = j < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * vs + c * 16))
+                                : _mm256_setzero_si256();
+        const __m256i b = j + 1 < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + 1) * vs + c * 16))
+                                    : _mm256_setzero_si256();
+        const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        _mm512_storeu_si512(vp + (kb * 4 + c) * 512 + r * 32, _mm512_maskz_mov_epi16(~nonfinite32(w), w));
       }
     }
 }
 
-// V of one (window, KV head) -> tiles of 32 keys x 16 dims, pair-interleaved: vp[(kb * 4 + c) * 512 +
-// r * 32 + n * 2 + p] = v[kb * 32 + 2 r + p][c * 16 + n]; keys >= T are zeros.
-void pack_v(const bf16* v, int64_t vs, int64_t T, int64_t Tp, bf16* vp) {
-  for (int64_t kb = 0; kb < Tp / 32; ++kb)
-    for (int64_t c = 0; c < 4; ++c) {
-      bf16* t = vp + (kb * 4 + c) * 512;
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t p = 0; p < 2; ++p) {
-          const int64_t j = kb * 32 + 2 * r + p;
-          for (int64_t n = 0; n < 16; ++n) t[r * 32 + n * 2 + p] = j < T ? v[j * vs + c * 16 + n] : bf16(0.0f);
-        }
+// The non-finite elements of V that pack_v left out: obuf[r][d] += P[r][j] v[j][d] for each listed key j
+// at or before row r's position (p0 + r) and each d where v[j][d] is not finite, so a row that attends a
+// NaN (or inf) value gets NaN (or inf) there as from an exact P V, and earlier rows stay untouched.
+void finish_nonfinite(const std::vector<int32_t>& bad, const bf16* v, int64_t vs, const bf16* P, int64_t ss,
+                      int64_t p0, int64_t rows, float* obuf) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (const int32_t j : bad) {
+      if (j > p0 + r) break;
+      const float pj = static_cast<float>(P[r * ss + j]);
+      for (int64_t d = 0; d < kHeadDim; ++d)
+        if (!finite(v[j * vs + d])) obuf[r * kHeadDim + d] += pj * static_cast<float>(v[j * vs + d]);
     }
 }
 
@@ -222,8 +262,9 @@ inline __m512bh pair16(const bf16* row, int64_t e) {
 // entries past a row's own position are never read. qa (32 rows,
 // stride qstride), kp packed by pack_k (a 64-byte row of a tile: one dimension pair of 16 keys); S's
 // row stride ss.
-void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int64_t T, float* S, int64_t ss) {
-  for (int64_t g = 0; g < kBlock / 8; ++g) {
+void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int64_t T, int64_t rows, float* S,
+                int64_t ss) {
+  for (int64_t g = 0; g < (rows + 7) / 8; ++g) {  // groups holding a real row (the block's first rows)
     const int64_t nkb = std::min(i0 + 8 * g + 7, T - 1) / kBlock + 1;  // blocks of 32 keys
     const bf16* qg = qa + 8 * g * qstride;
     float* sg = S + 8 * g * ss;
@@ -251,8 +292,8 @@ void scores_vec(const bf16* qa, int64_t qstride, const bf16* kp, int64_t i0, int
 // each over the key pairs up to its last row's position (i0 the block's first, T the number of keys; P
 // is zero past a row's position). P bf16 with row stride
 // ss; vp packed by pack_v (a 64-byte row of a tile: 16 columns of one key pair).
-void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T, float* obuf) {
-  for (int64_t g = 0; g < kBlock / 4; ++g) {
+void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T, int64_t rows, float* obuf) {
+  for (int64_t g = 0; g < (rows + 3) / 4; ++g) {  // groups holding a real row
     const int64_t pairs = std::min(i0 + 4 * g + 3, T - 1) / 2 + 1;  // key pairs covering keys 0 .. the last row
     const bf16* pg = P + 4 * g * ss;
     __m512 acc[4][4];
@@ -274,8 +315,9 @@ void values_vec(const bf16* P, int64_t ss, const bf16* vp, int64_t i0, int64_t T
 // One (window, head, query block): query rows i0 .. i0 + 31 of o, at positions off + i0 .. (off = S - Tq:
 // a prompt chunk after off cached positions; 0 for a window), over keys 0 .. S - 1 of kp / vp; on AMX
 // tiles where amx, else with vdpbf16ps.
-void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int64_t Tq, int64_t S, int64_t i0,
-                  float scale, bf16* o, int64_t os, float* Sbuf, bf16* P, bf16* qpad, float* obuf, bool amx) {
+void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, const std::vector<int32_t>& bad,
+                  const bf16* v, int64_t vs, int64_t Tq, int64_t S, int64_t i0, float scale, bf16* o, int64_t os,
+                  float* Sbuf, bf16* P, bf16* qpad, float* obuf, bool amx) {
   const int64_t Sp = (S + kBlock - 1) / kBlock * kBlock;
   const int64_t p0 = S - Tq + i0;  // the block's first position
   const int64_t kend = std::min((p0 + 2 * kBlock - 1) / kBlock * kBlock, Sp);  // keys its last row can attend, rounded up to 32
@@ -294,18 +336,21 @@ void attend_block(const bf16* q, int64_t qs, const bf16* kp, const bf16* vp, int
     scores_amx(qa, qstride, kp, kend, Sbuf, ss);
   else
 #endif
-    scores_vec(qa, qstride, kp, p0, S, Sbuf, ss);
+    scores_vec(qa, qstride, kp, p0, S, rows, Sbuf, ss);
   float inv[kBlock];
-  for (int64_t r = 0; r < kBlock; ++r) {
-    const int64_t i = std::min(p0 + r, S - 1);  // rows past Tq: any finite row, never written out
-    inv[r] = softmax_row(Sbuf + r * ss, i, kend, scale, P + r * ss);
-  }
+  for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(Sbuf + r * ss, p0 + r, kend, scale, P + r * ss);
+  // rows past Tq, never written out: zero numerators where P V reads them (AMX: the whole block; vectors:
+  // the rest of the last group of 4). Their scores are not computed on vectors (a 1-token chunk's block
+  // would otherwise cost 32 rows over all S keys).
+  const int64_t read = amx ? kBlock : (rows + 3) / 4 * 4;
+  for (int64_t r = rows; r < read; ++r) std::fill(P + r * ss, P + r * ss + kend, bf16(0.0f));
 #ifdef SFCL_AMX
   if (amx)
     values_amx(P, ss, vp, kend, obuf);
   else
 #endif
-    values_vec(P, ss, vp, p0, S, obuf);
+    values_vec(P, ss, vp, p0, S, rows, obuf);
+  if (!bad.empty()) finish_nonfinite(bad, v, vs, P, ss, p0, rows, obuf);
   for (int64_t r = 0; r < rows; ++r) {  // o = O / Z, rounded to bf16
     bf16* orow = o + (i0 + r) * os;
     const __m512 f = _mm512_set1_ps(inv[r]);
@@ -369,28 +414,34 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool tiles = amx && causal_attention_amx();
   const int64_t Sp = (S + kBlock - 1) / kBlock * kBlock, nb = (Tq + kBlock - 1) / kBlock, group = nh / nkv;
   const int64_t tile_elems = Sp * kHeadDim;  // bf16 per packed K (or V) of one (window, KV head)
-  std::vector<bf16> kp(n * nkv * tile_elems), vp(n * nkv * tile_elems);
+  // packs and per-thread buffers left uninitialised: pack_k / pack_v write every element, and a block
+  // reads its scores and numerators only where it wrote them (its keys up to kend)
+  std::unique_ptr<bf16[]> kp(new bf16[n * nkv * tile_elems]), vp(new bf16[n * nkv * tile_elems]);
+  std::vector<std::vector<int32_t>> bad(n * nkv);  // per (window, KV head): keys whose V is not all finite
   const bf16 *qd = q.data_ptr<bf16>(), *kd = k.data_ptr<bf16>(), *vd = v.data_ptr<bf16>();
   at::parallel_for(0, n * nkv, 1, [&](int64_t a, int64_t b) {
     for (int64_t x = a; x < b; ++x) {
       const int64_t w = x / nkv, g = x % nkv;
-      pack_k(kd + w * k.stride(0) + g * k.stride(2), k.stride(1), S, Sp, kp.data() + x * tile_elems);
-      pack_v(vd + w * v.stride(0) + g * v.stride(2), v.stride(1), S, Sp, vp.data() + x * tile_elems);
+      pack_k(kd + w * k.stride(0) + g * k.stride(2), k.stride(1), S, Sp, kp.get() + x * tile_elems);
+      pack_v(vd + w * v.stride(0) + g * v.stride(2), v.stride(1), S, Sp, vp.get() + x * tile_elems, bad[x]);
     }
   });
   bf16* od = o.data_ptr<bf16>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * nh * nb, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> Sbuf(kBlock * (Sp + kPad)), obuf(kBlock * kHeadDim);
-    std::vector<bf16> P(kBlock * (Sp + kPad)), qpad(kBlock * kHeadDim);
+    std::unique_ptr<float[]> Sbuf(new float[kBlock * (Sp + kPad)]);
+    std::unique_ptr<bf16[]> P(new bf16[kBlock * (Sp + kPad)]);
+    std::vector<float> obuf(kBlock * kHeadDim);
+    std::vector<bf16> qpad(kBlock * kHeadDim);
 #ifdef SFCL_AMX
     if (tiles) load_tile_config();
 #endif
     for (int64_t x = a; x < b; ++x) {
       const int64_t w = x / (nh * nb), h = x / nb % nh, blk = x % nb, g = h / group;
-      attend_block(qd + w * q.stride(0) + h * q.stride(2), q.stride(1), kp.data() + (w * nkv + g) * tile_elems,
-                   vp.data() + (w * nkv + g) * tile_elems, Tq, S, blk * kBlock, sc,
-                   od + w * Tq * nh * kHeadDim + h * kHeadDim, nh * kHeadDim, Sbuf.data(), P.data(), qpad.data(),
+      attend_block(qd + w * q.stride(0) + h * q.stride(2), q.stride(1), kp.get() + (w * nkv + g) * tile_elems,
+                   vp.get() + (w * nkv + g) * tile_elems, bad[w * nkv + g], vd + w * v.stride(0) + g * v.stride(2),
+                   v.stride(1), Tq, S, blk * kBlock, sc,
+                   od + w * Tq * nh * kHeadDim + h * kHeadDim, nh * kHeadDim, Sbuf.get(), P.get(), qpad.data(),
                    obuf.data(), tiles);
     }
 #ifdef SFCL_AMX
