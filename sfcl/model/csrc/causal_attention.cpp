@@ -17,8 +17,10 @@
 // a per-thread float32 buffer and no online rescaling is needed (32 x S float32 and bf16 per thread:
 // 0.8 MB at S = 4,096, 1.6 MB at 8,192).
 //
-// A prompt chunk's K and V are packed whole for every call (O(S) per chunk and layer against the
-// O(Tq S) product).
+// A prompt chunk's K and V are packed whole for every call, with AVX-512 (O(S) per chunk and layer
+// against the O(Tq S) product); V's non-finite elements are packed as 0 and added after P V to the rows
+// that attend them only (a group of rows is multiplied by every key up to its last row, and 0 x NaN
+// would reach the earlier rows); a chunk's rows past its end are not computed on vectors.
 //
 // Why: torch 2.13's CPU flash attention (scaled_dot_product_attention) ran the build's 29 causal
 // layers at ~12 ms per 4 windows x 1,024 tokens on 2 threads of an Intel Xeon with AMX, about 6x the
