@@ -225,17 +225,34 @@ def test_failed_build_falls_back_with_one_line_on_stderr(tmp_path):
     assert "[ENGINE] fused decode kernels unavailable" in r.stderr and "using torch's operators" in r.stderr
 
 
-def test_a_finished_build_loads_without_the_builder_or_its_lock(tmp_path):
+@pytest.fixture(scope="module")
+def fresh_build(tmp_path_factory):
+    """One build of the kernels into an empty cache, in a subprocess (~1 min on 2 cores), shared by the
+    tests below: each copies the cache it left and goes on from there. (tmp dir, its CompletedProcess)"""
+    root = tmp_path_factory.mktemp("fresh-build")
+    return root, _load_in_subprocess(root, {})
+
+
+def _copy_of(fresh_build, tmp_path):
+    import shutil
+
+    root, first = fresh_build
+    assert first.returncode == 0 and first.stdout.startswith("LOADED"), first.stdout + first.stderr
+    assert "[ENGINE] compiling" in first.stderr  # it was built, not found
+    shutil.copytree(root / "kernels", tmp_path / "kernels")
+    return tmp_path / "kernels"
+
+
+def test_a_finished_build_loads_without_the_builder_or_its_lock(fresh_build, tmp_path):
     """Once built, later starts load the library as it is: a stale ``lock`` from a killed build
     (on which torch's builder waits forever) and a leftover build folder change nothing, and the
     builder is not run at all (so a read-only cache or another ninja on PATH does not matter)."""
-    first = _load_in_subprocess(tmp_path, {})
-    assert first.returncode == 0 and first.stdout.startswith("LOADED"), first.stdout + first.stderr
-    [built] = [d for d in (tmp_path / "kernels").iterdir() if ".tmp-" not in d.name]
+    kernels = _copy_of(fresh_build, tmp_path)
+    [built] = [d for d in kernels.iterdir() if ".tmp-" not in d.name]
     assert sorted(f.name for f in built.iterdir()) == [built.name + ".so", built.name + ".so.sha256"]  # build folder cleaned up
     (built / "lock").write_text("")  # what a killed torch build leaves behind
-    (tmp_path / "kernels" / (built.name + ".tmp-1-x")).mkdir()
-    (tmp_path / "kernels" / (built.name + ".tmp-1-x") / "lock").write_text("")
+    (kernels / (built.name + ".tmp-1-x")).mkdir()
+    (kernels / (built.name + ".tmp-1-x") / "lock").write_text("")
     second = _load_in_subprocess(tmp_path, {}, "import torch.utils.cpp_extension as c\n"
                                                "def no(*a, **k): raise AssertionError('builder ran')\n"
                                                "c.load = no\n")
@@ -243,13 +260,12 @@ def test_a_finished_build_loads_without_the_builder_or_its_lock(tmp_path):
     assert "compiling" not in second.stderr
 
 
-def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
+def test_a_truncated_library_is_rebuilt_not_loaded(fresh_build, tmp_path):
     """A cached library that is not the file its build wrote (here cut to 4 KiB, as a full disk or a
     killed copy leaves it) is rebuilt: loading it could kill the process with SIGBUS (found by a
     break-it pass), which no fallback could catch."""
-    first = _load_in_subprocess(tmp_path, {})
-    assert first.returncode == 0 and "LOADED" in first.stdout
-    (so,) = (tmp_path / "kernels").glob("*/*.so")
+    kernels = _copy_of(fresh_build, tmp_path)
+    (so,) = kernels.glob("*/*.so")
     assert so.with_name(so.name + ".sha256").exists()
     so.write_bytes(so.read_bytes()[:4096])
     again = _load_in_subprocess(tmp_path, {})

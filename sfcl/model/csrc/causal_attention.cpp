@@ -74,7 +74,7 @@ using bf16 = c10::BFloat16;
 // dimension pair) a tile is the transpose of its 16 keys' 16 words: row r gathers word r of each key.
 void pack_k(const bf16* k, int64_t ks, int64_t T, int64_t Tp, bf16* kp) {
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(static_cast<int32_t>(ks)));  // key n at n ks elements
+                                         _mm512_set1_epi32(static_cast<int32_t>(ks)));  // key n at n ks elements (< 2^31)
   for (int64_t kb = 0; kb < Tp / 16; ++kb) {
     const int64_t live = std::clamp<int64_t>(T - kb * 16, 0, 16);
     const __mmask16 m = static_cast<__mmask16>((1u << live) - 1u);
@@ -411,6 +411,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad()),
               "causal_attention: no autograd; call it under torch.inference_mode() or torch.no_grad()");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: the head dimension must be contiguous");
+  TORCH_CHECK(k.stride(1) >= 0 && k.stride(1) <= std::numeric_limits<int32_t>::max() / 16,
+              "causal_attention: k's stride between positions must be in [0, 2^31 / 16) elements, got ", k.stride(1));
   at::Tensor o = at::empty({n, Tq, nh, kHeadDim}, q.options());
 #ifdef SFCL_BF16_VEC
   const bool tiles = amx && causal_attention_amx();
