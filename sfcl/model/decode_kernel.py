@@ -226,7 +226,7 @@ def _build(name: str, final: Path, verbose: bool) -> ModuleType:
     final.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
         print("[ENGINE] compiling SFCL's kernels (decode attention, decode layers, int8 and int4 GEMVs, anchor search, "
-              f"logit statistics, element-wise steps of prompt rows, attention entropy, the anchor build's attention, float32 prompt attention: {len(SOURCES)} files) with the C++ compiler "
+              f"logit statistics, element-wise steps of prompt rows, attention entropy, bf16 attention of prompt chunks and the anchor build, float32 prompt attention: {len(SOURCES)} files) with the C++ compiler "
               "(once per machine kind, ~1 min on 2 idle cores) ...", file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-{os.getpid()}-", dir=final.parent.parent))
     t0 = time.perf_counter()
