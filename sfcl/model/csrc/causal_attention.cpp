@@ -104,22 +104,22 @@ inline __mmask32 nonfinite32(__m512i x) {
 
 void pack_v(const bf16* v, int64_t vs, int64_t T, int64_t Tp, bf16* vp, std::vector<int32_t>& bad) {
   bad.clear();
-  for (int64_t j = 0; j < T; ++j) {
-    const bf16* row = v + j * vs;
-    if (nonfinite32(_mm512_loadu_si512(row)) | nonfinite32(_mm512_loadu_si512(row + 32)))
-      bad.push_back(static_cast<int32_t>(j));
-  }
   for (int64_t kb = 0; kb < Tp / 32; ++kb)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t j = kb * 32 + 2 * r;  // keys j (p = 0, the low half of each word) and j + 1 (p = 1)
+      __mmask32 any = 0;                  // the pair's non-finite lanes: even bits key j, odd bits key j + 1
       for (int64_t c = 0; c < 4; ++c) {
         const __m256i a = j < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * vs + c * 16))
                                 : _mm256_setzero_si256();
         const __m256i b = j + 1 < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + 1) * vs + c * 16))
                                     : _mm256_setzero_si256();
         const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-        _mm512_storeu_si512(vp + (kb * 4 + c) * 512 + r * 32, _mm512_maskz_mov_epi16(~nonfinite32(w), w));
+        const __mmask32 nf = nonfinite32(w);
+        any |= nf;
+        _mm512_storeu_si512(vp + (kb * 4 + c) * 512 + r * 32, _mm512_maskz_mov_epi16(~nf, w));
       }
+      if (any & 0x55555555u) bad.push_back(static_cast<int32_t>(j));
+      if (any & 0xAAAAAAAAu) bad.push_back(static_cast<int32_t>(j + 1));
     }
 }
 
