@@ -224,6 +224,20 @@ def test_a_non_finite_value_reaches_only_the_rows_that_attend_it(amx, bad):
         torch.testing.assert_close(part, got[:, a:b], rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_key_far_below_the_rows_max_weighs_nothing(amx):
+    """A key whose scaled score is ~800 below the others' gets weight 0, as from torch's softmax: the
+    rows equal those with its value set to 0, bit for bit (the exp's clamp at -87 once gave it
+    ~1.6e-38, which 1e37 in its value made visible; found by a tester)."""
+    q, k, v = (x.clone() for x in _qkv(1, 40, 9, 3, seed=12))
+    q[:, :, 3:6] = 1.0  # heads 3-5 read KV head 1
+    k[0, 10, 1] = -100.0  # their score of key 10: 0.125 * 64 * -100 = -800
+    v[0, 10, 1] = 0.0
+    zero = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    v[0, 10, 1] = 1e37
+    got = torch.ops.sfcl.causal_attention(q, k, v, 0.125, amx)
+    assert torch.equal(got, zero)
+
+
 def test_the_amx_path_runs_only_where_the_kernel_does(kernel):
     assert not torch.ops.sfcl.causal_attention_amx() or torch.ops.sfcl.causal_attention_ready()
 

@@ -92,6 +92,26 @@ def test_fused_decode_attention_head_shapes_against_float64(kernel, dtype, hd, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_far_below_the_rows_max_weighs_nothing(kernel, dtype):
+    """A cached key whose scaled score is ~800 below the others' gets weight 0, as from torch's
+    softmax: the output equals the one with its value set to 0, bit for bit (the exp's clamp at -87
+    once gave it ~1.6e-38, which 1e37 in its value made visible)."""
+    gen = torch.Generator().manual_seed(5)
+    B, L, hd, nkv, g = 2, 40, 64, 2, 3
+    pos = torch.tensor([30, 20])
+    kc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    vc = torch.randn(B, nkv, L, hd, generator=gen).to(dtype)
+    q = torch.ones(B, nkv * g, hd).to(dtype)
+    kc[:, :, 5] = -100.0  # score of position 5: 0.125 * 64 * -100 = -800
+    kn, vn = (torch.randn(B, nkv, hd, generator=gen).to(dtype) for _ in range(2))
+    vc[:, :, 5] = 0.0
+    zero, _ = kernel.decode_attention(q, kc.clone(), vc.clone(), kn, vn, pos, 0, int(pos.max()) + 1, 0.125, True)
+    vc[:, :, 5] = 1e37
+    got, _ = kernel.decode_attention(q, kc.clone(), vc.clone(), kn, vn, pos, 0, int(pos.max()) + 1, 0.125, True)
+    assert torch.equal(got, zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hd, nkv, g", [(64, 2, 1), (64, 1, 4), (128, 1, 8)])
 def test_a_nan_key_makes_the_heads_that_read_it_nan(kernel, dtype, hd, nkv, g):
     """A NaN in one cached key: the query heads of its KV head come out NaN in the rows that attend

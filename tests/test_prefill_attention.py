@@ -112,6 +112,19 @@ def test_a_nan_key_makes_the_rows_that_attend_it_nan(avx2, S):
         assert torch.equal(got, want), key
 
 
+def test_a_key_far_below_the_rows_max_weighs_nothing(avx2):
+    """A key whose scaled score is ~800 below the others' gets weight 0, as from torch's softmax: the
+    rows equal those with its value set to 0, bit for bit (the exp's clamp at -87 once gave it
+    ~1.6e-38, which 1e37 in its value made visible)."""
+    q, k, v = (x.clone() for x in _qkv(1, 9, 3, 40, 40, seed=12))
+    q[:, 3:6] = 1.0  # heads 3-5 read KV head 1
+    k[0, 1, 10] = -100.0  # their score of key 10: 0.125 * 64 * -100 = -800
+    v[0, 1, 10] = 0.0
+    zero = torch.ops.sfcl.prefill_attention(q, k, v, 0.125)
+    v[0, 1, 10] = 1e37
+    assert torch.equal(torch.ops.sfcl.prefill_attention(q, k, v, 0.125), zero)
+
+
 def test_an_overflowing_score_makes_its_row_nan(avx2):
     """q . k = +inf (q, k ~ 1e19): NaN, as from torch's float32 SDPA, not a finite mean of v."""
     q, k, v = _qkv(1, 3, 3, 20, 20, seed=17)

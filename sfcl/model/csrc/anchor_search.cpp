@@ -74,7 +74,8 @@ inline void keep_best(float* s, int64_t* ids, int64_t n, float v, int64_t id) {
 // codes round(x / scale) half to even, as sfcl.library.index.int8_rows (torch.round of the same
 // quotient). A lookup quantises each query row three times (the groups', centroids' and anchors'
 // codes): in scalar code with a division per element that was a third of the pass (perf, twentieth
-// session), hence the AVX-512 form.
+// session), hence the AVX-512 and AVX2 forms (the AVX2 one since the thirty-first session: until then
+// an AVX2-only CPU ran this, the split, the query's norm and the four-row scans in scalar or one-row code).
 float quantise_into(const float* x, int64_t n, int8_t* out) {
   int64_t i = 0;
   float amax = 0.f;
@@ -82,6 +83,13 @@ float quantise_into(const float* x, int64_t n, int8_t* out) {
   __m512 m = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
   amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
@@ -93,14 +101,26 @@ float quantise_into(const float* x, int64_t n, int8_t* out) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, lo), hi))));
   }
+#elif defined(__AVX2__)  // 32 at a time: the same division and rounding (half to even), packed in order
+  const __m256 sc = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  for (; i + 32 <= n; i += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 c = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i + 8 * j), sc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(c, lo), hi));
+    }
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permutevar8x32_epi32(b, order));
+  }
 #endif
   for (; i < n; ++i) out[i] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / scale))));
   return scale;
 }
 
 // The codes of unit row qn (D,) float32 (quantise_into), split as dot_codes takes them. The split
-// runs 64 codes per instruction on AVX-512BW: as a scalar loop it was ~14% of a warm lookup (perf,
-// twenty-first session).
+// runs 64 codes per instruction on AVX-512BW and 32 on AVX2: as a scalar loop it was ~14% of a warm
+// lookup (perf, twenty-first session).
 void quantise(const float* qn, int64_t D, int8_t* c, QueryCodes& out) {  // c (D,): scratch
   out.scale = quantise_into(qn, D, c);
   out.mag.resize(D);
@@ -114,6 +134,19 @@ void quantise(const float* qn, int64_t D, int8_t* c, QueryCodes& out) {  // c (D
     _mm512_storeu_si512(out.mag.data() + d, _mm512_abs_epi8(v));
     _mm512_storeu_si512(out.sign.data() + d, _mm512_mask_blend_epi8(m, _mm512_set1_epi8(1), _mm512_set1_epi8(-1)));
     out.neg[w] = uint64_t(m);
+  }
+#elif defined(__AVX2__)
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+  for (int64_t w = 0; d + 64 <= D; d += 64, ++w) {
+    uint64_t bits = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + d + 32 * h));
+      const __m256i neg = _mm256_cmpgt_epi8(zero, v);  // -1 where the code is negative
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.mag.data() + d + 32 * h), _mm256_abs_epi8(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.sign.data() + d + 32 * h), _mm256_or_si256(neg, one));
+      bits |= uint64_t(uint32_t(_mm256_movemask_epi8(neg))) << (32 * h);
+    }
+    out.neg[w] = bits;
   }
 #endif
   for (; d < D; ++d) {
@@ -133,6 +166,30 @@ inline __m512i dot_acc(__m512i acc, __m512i u, __m512i v) {
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, v), _mm512_set1_epi16(1)));
 #endif
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// The 64 codes of block w of a packed row p as two vectors of bytes: lo = dimensions 64 w .. 64 w + 31,
+// hi = 64 w + 32 .. 64 w + 63 (sq4_rows' layout).
+inline void sq4_block_avx2(const uint8_t* p, int64_t w, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+// acc plus the int32 sums of four adjacent products of unsigned bytes u and signed bytes v (32 of
+// each; vpmaddubsw + vpmaddwd, whose int16 pair sums do not saturate for 4-bit codes times int8).
+inline __m256i dot_acc_avx2(__m256i acc, __m256i u, __m256i v) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+}
+
+inline int32_t hsum_epi32(__m256i acc) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+  return _mm_cvtsi128_si32(h);
 }
 #endif
 
@@ -159,10 +216,7 @@ inline int32_t dot_codes(const int8_t* v, const QueryCodes& q, int64_t D) {
     const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mag + d)), c);
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-  s = _mm_cvtsi128_si32(h);
+  s = hsum_epi32(acc);
 #endif
   for (; d < D; ++d) s += int32_t(mag[d]) * int32_t(q.sign[d]) * int32_t(v[d]);
   return s;
@@ -195,19 +249,14 @@ inline int32_t dot_sq4(const uint8_t* p, const int8_t* q8, int64_t Dp) {
   for (int64_t w = 0; w < Dp / kSq4Block; ++w) acc = dot_acc(acc, sq4_block(p, w), _mm512_loadu_si512(q8 + w * kSq4Block));
   return _mm512_reduce_add_epi32(acc);
 #elif defined(__AVX2__)
-  const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi16(1);
   __m256i acc = _mm256_setzero_si256();
   for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w * 32));
     const __m256i* q = reinterpret_cast<const __m256i*>(q8 + w * kSq4Block);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256(q)), one));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_loadu_si256(q + 1)), one));
+    __m256i lo, hi;
+    sq4_block_avx2(p, w, lo, hi);
+    acc = dot_acc_avx2(dot_acc_avx2(acc, lo, _mm256_loadu_si256(q)), hi, _mm256_loadu_si256(q + 1));
   }
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-  return _mm_cvtsi128_si32(h);
+  return hsum_epi32(acc);
 #else
   int32_t s = 0;
   for (int64_t w = 0; w < Dp / kSq4Block; ++w)
@@ -229,6 +278,18 @@ inline void dot_sq4_4(const uint8_t* p, const int8_t* q8, int64_t Dp, int32_t* o
     for (int r = 0; r < 4; ++r) acc[r] = dot_acc(acc[r], sq4_block(p + r * (Dp / 2), w), q);
   }
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
+#elif defined(__AVX2__)
+  __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    const __m256i* q = reinterpret_cast<const __m256i*>(q8 + w * kSq4Block);
+    const __m256i q_lo = _mm256_loadu_si256(q), q_hi = _mm256_loadu_si256(q + 1);
+    for (int r = 0; r < 4; ++r) {
+      __m256i lo, hi;
+      sq4_block_avx2(p + r * (Dp / 2), w, lo, hi);
+      acc[r] = dot_acc_avx2(dot_acc_avx2(acc[r], lo, q_lo), hi, q_hi);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = hsum_epi32(acc[r]);
 #else
   for (int r = 0; r < 4; ++r) out[r] = dot_sq4(p + r * (Dp / 2), q8, Dp);
 #endif
@@ -244,6 +305,17 @@ inline void dot_sq4_q(const uint8_t* p, const int8_t* const* q8, int nq, int64_t
     for (int r = 0; r < nq && r < 4; ++r) acc[r] = dot_acc(acc[r], c, _mm512_loadu_si512(q8[r] + w * kSq4Block));
   }
   for (int r = 0; r < nq; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]);
+#elif defined(__AVX2__)
+  __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t w = 0; w < Dp / kSq4Block; ++w) {
+    __m256i lo, hi;
+    sq4_block_avx2(p, w, lo, hi);
+    for (int r = 0; r < nq && r < 4; ++r) {
+      const __m256i* q = reinterpret_cast<const __m256i*>(q8[r] + w * kSq4Block);
+      acc[r] = dot_acc_avx2(dot_acc_avx2(acc[r], lo, _mm256_loadu_si256(q)), hi, _mm256_loadu_si256(q + 1));
+    }
+  }
+  for (int r = 0; r < nq; ++r) out[r] = hsum_epi32(acc[r]);
 #else
   for (int r = 0; r < nq; ++r) out[r] = dot_sq4(p, q8[r], Dp);
 #endif
@@ -436,6 +508,16 @@ void AnchorSearch::run(const at::Tensor& queries, float* S, int64_t* I, float* F
       acc = _mm512_add_pd(acc, _mm512_mul_pd(x, x));
     }
     ss = _mm512_reduce_add_pd(acc);
+#elif defined(__AVX2__)
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    for (; d0 + 8 <= D; d0 += 8) {
+      const __m256d x0 = _mm256_cvtps_pd(_mm_loadu_ps(q + d0)), x1 = _mm256_cvtps_pd(_mm_loadu_ps(q + d0 + 4));
+      acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(x0, x0));
+      acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(x1, x1));
+    }
+    const __m256d a = _mm256_add_pd(acc0, acc1);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    ss = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
 #endif
     for (int64_t d = d0; d < D; ++d) ss += double(q[d]) * double(q[d]);
     const double norm = std::sqrt(ss);

@@ -31,6 +31,9 @@ inline float bf16_to_float(c10::BFloat16 v) {
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2 in two parts, degree-6 polynomial;
 // ~1 ulp), written so that the compiler vectorizes the loop that calls it. exp_nonpositive16 (below)
 // evaluates the same steps 16 lanes at a time with AVX-512.
+// Below kExpMin every form returns 0 (the true exp is below ~1.6e-38, a denormal or 0): until the
+// thirty-first session it returned exp(-87), so a key whose weight is 0 (a score of -inf) weighed
+// ~1.6e-38, visible against values near 1e37 (a tester's finding, thirtieth session).
 constexpr float kExpMin = -87.0f;  // exp(-87) ~ 1.6e-38, still a normal float
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = kLn2Hi + kLn2Lo
@@ -38,7 +41,8 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 inline float exp_nonpositive(float x) {
-  x = x < kExpMin ? kExpMin : x;
+  const bool under = x < kExpMin;  // exp below ~1.6e-38 (and exp(-inf)): 0, as a masked key's weight must be
+  x = under ? kExpMin : x;
   float n = __builtin_rintf(x * kLog2e);
   float r = x - n * kLn2Hi - n * kLn2Lo;
   float p = kExpPoly[0];
@@ -47,7 +51,7 @@ inline float exp_nonpositive(float x) {
   int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &e, 4);
-  return p * two_n;
+  return under ? 0.0f : p * two_n;
 }
 
 #if defined(__AVX512F__)
@@ -59,6 +63,7 @@ inline float exp_nonpositive(float x) {
 // build's causal softmax, causal_attention.cpp). decode_attention.cpp's softmax uses the full form.
 template <bool Degree4 = false>
 inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_NLT_UQ);  // not below: kept (NaN too)
   x = _mm512_max_ps(_mm512_set1_ps(kExpMin), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 p;
@@ -75,7 +80,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
     for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   }
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 #endif
 
@@ -86,6 +91,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // (prefill_attention.cpp). A NaN lane stays NaN, as in exp_nonpositive (vmaxps returns its second
 // operand when either is NaN).
 inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_NLT_UQ);  // not below: kept (NaN too)
   x = _mm256_max_ps(_mm256_set1_ps(kExpMin), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
@@ -94,7 +100,7 @@ inline __m256 exp_nonpositive8(__m256 x) {
   for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 #endif
 
