@@ -372,6 +372,16 @@ def test_unknown_route_and_method(url):
     openai_error(httpx.get(url + O), 405)
 
 
+def test_a_trailing_slash_is_a_404_naming_the_route(url):
+    """A POST: not a bodiless 307 redirect (FastAPI's default), which clients do not follow for a POST."""
+    msg = anthropic_error(post(url, A + "/", a_body()), 404, "not_found_error")
+    assert msg == f"Not found: POST {A}/ (no trailing slash: POST {A})"
+    assert openai_error(post(url, O + "/", o_body()), 404)["message"].endswith(f"(no trailing slash: POST {O})")
+    assert openai_error(httpx.get(url + "/v2/nothing/"), 404)["message"] == "Not found: GET /v2/nothing/"
+    r = httpx.get(url + "/health/?x=1")  # a GET (a browser's) is still redirected
+    assert r.status_code == 307 and r.headers["location"] == url + "/health?x=1"
+
+
 # -- API key --------------------------------------------------------------------------------
 
 def test_api_key(serve):

@@ -58,8 +58,11 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
     if api_key == "":
         raise ValueError("api_key must be a non-empty string or None")
 
+    # redirect_slashes=False: `POST /v1/messages/` is a 404 in the API's error format that names the
+    # route without the slash (errors.install_error_handlers), not a bodiless 307 that most clients
+    # do not follow for a POST
     app = FastAPI(title="SFCL", summary="Anthropic Messages and OpenAI Chat Completions over SFCL",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.engine = engine
     app.state.api_key = api_key
     app.state.ping_interval_s = float(ping_interval_s)

@@ -24,7 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sfcl.text import clip
@@ -266,6 +267,12 @@ class CatchAllMiddleware:
             await error_response(err, error_style(scope))(scope, receive, send)
 
 
+def _has_route(app, path: str) -> bool:
+    """Whether one of app's routes matches path exactly (its path template, with parameters)."""
+    scope = {"type": "http", "path": path, "method": "GET", "root_path": ""}
+    return any(getattr(route, "matches", None) and route.matches(scope)[0] != Match.NONE for route in app.routes)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: ApiError) -> Response:
         return error_response(exc, error_style(request))
@@ -277,6 +284,11 @@ def install_error_handlers(app: FastAPI) -> None:
         status = exc.status_code
         if status == 404:
             message = f"Not found: {request.method} {clip(request.url.path)}"
+            path = request.url.path
+            if path.endswith("/") and path != "/" and _has_route(request.app, path.rstrip("/")):
+                if request.method in ("GET", "HEAD"):  # a browser at /dashboard/: redirected, as FastAPI would
+                    return RedirectResponse(request.url.replace(path=path.rstrip("/")), status_code=307)
+                message += f" (no trailing slash: {request.method} {clip(path.rstrip('/'))})"
             err = ApiError(404, message, code="not_found" if error_style(request) == "openai" else None)
         elif status == 405:
             err = ApiError(405, f"Method {clip(request.method)} not allowed on {clip(request.url.path)}")
