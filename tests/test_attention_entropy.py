@@ -60,6 +60,18 @@ def test_nan_scores_give_nan_only_in_their_row(kernel):
     assert torch.isnan(ent[0, 5]) and not torch.isnan(ent[0, torch.arange(8) != 5]).any()
 
 
+def test_a_minus_inf_score_weighs_nothing_in_the_entropy(kernel):
+    """A score of -inf (a float16 q . k that overflowed) gets weight 0 and adds 0 to the entropy, as p
+    log p -> 0: the row's entropy is torch's (0 x -inf had made it NaN; found by a tester)."""
+    s = torch.tensor([[[0.0, 0, 0], [1, 2, 0], [1, -float("inf"), 2]]])
+    ref = _torch_weights(s, 1.0)
+    ref_ent = -(ref * ref.clamp_min(1e-30).log()).sum(-1)
+    got = s.clone()
+    ent = torch.ops.sfcl.causal_softmax_entropy_(got, 1.0)
+    assert got[0, 2, 1] == 0
+    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda: torch.zeros(2, 4, 5), r"\(R, T, T\)"),
     (lambda: torch.zeros(4, 4), r"\(R, T, T\)"),

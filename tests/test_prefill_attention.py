@@ -125,6 +125,20 @@ def test_a_key_far_below_the_rows_max_weighs_nothing(avx2):
     assert torch.equal(torch.ops.sfcl.prefill_attention(q, k, v, 0.125), zero)
 
 
+@pytest.mark.parametrize("S", (130, 300))  # the first block of 128 keys all -inf, then finite keys
+def test_a_first_block_of_minus_inf_scores_leaves_the_row_finite(avx2, S):
+    """Keys whose score is -inf (k overflowed to inf) weigh 0 and the later keys decide the row, as
+    in torch's SDPA, even when a whole block of 128 keys comes first (exp(-inf - -inf) had made the
+    row NaN; found by a tester)."""
+    q, k, v = (x.clone() for x in _qkv(1, 3, 3, S, S, seed=S))
+    q[..., 0] = -1.0
+    k[:, :, :128, 0] = float("inf")  # q . k = -inf for keys 0-127
+    got = torch.ops.sfcl.prefill_attention(q, k, v, 0.125)
+    ref = _sdpa(q, k, v, 0.125)
+    assert got[0, 128:].isfinite().all()
+    torch.testing.assert_close(got[0, 128:].double(), ref[0, 128:], atol=1e-5, rtol=0)
+
+
 def test_an_overflowing_score_makes_its_row_nan(avx2):
     """q . k = +inf (q, k ~ 1e19): NaN, as from torch's float32 SDPA, not a finite mean of v."""
     q, k, v = _qkv(1, 3, 3, 20, 20, seed=17)

@@ -19,7 +19,9 @@
 //
 // Arithmetic: float32; exp is sfcl::exp_nonpositive (~1 ulp) of scale s - max; sums in vector lanes.
 // torch's softmax sums in another order, so weights and entropies agree to float32 rounding. A row
-// with NaN gives NaN weights and entropy; an all -inf row (impossible from finite q, k) likewise.
+// with NaN gives NaN weights and entropy; an all -inf row (impossible from finite q, k) likewise. A
+// weight of 0 (a score of -inf, or more than 87 below the row's max: sfcl::kExpMin) adds 0 to the
+// entropy, as p log p -> 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,7 +51,7 @@ float causal_row(T* row, int64_t n, int64_t width, float scale, float* buf) {
     const float e = sfcl::exp_nonpositive(x);
     buf[j] = e;
     z += e;
-    a += e * x;
+    a += e == 0.0f ? 0.0f : e * x;  // p log p -> 0 as p -> 0: a -inf score adds nothing (0 x -inf was NaN)
   }
   const float inv = 1.0f / z;
 #pragma omp simd

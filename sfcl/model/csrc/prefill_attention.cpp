@@ -149,7 +149,9 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
     for (; j < c; ++j) mx = std::max(mx, s[j]);
     const float mnew = std::max(m[r], mx);
     alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mnew);
-    const __m256 mv = _mm256_set1_ps(mnew);
+    // every score so far -inf (a key that overflowed): their weights are exp(-inf) = 0, not exp(-inf - -inf),
+    // a NaN that had made the whole row NaN where torch's SDPA is finite (a tester's finding)
+    const __m256 mv = _mm256_set1_ps(mnew == -std::numeric_limits<float>::infinity() ? 0.0f : mnew);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= c; j += 8) {
       const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
@@ -158,7 +160,7 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
     }
     float tail = 0.0f;
     for (; j < c; ++j) {
-      s[j] = exp_nonpositive(s[j] - mnew);
+      s[j] = exp_nonpositive(s[j] - _mm256_cvtss_f32(mv));
       tail += s[j];
     }
     l[r] = l[r] * alpha[r] + (hsum256(sum) + tail);
