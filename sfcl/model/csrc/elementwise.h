@@ -46,11 +46,11 @@ inline float rnd(float f) { return to_f(from_f<T>(f)); }
 
 // silu(x) = x / (1 + exp(-x)), from exp of -|x| only (no overflow either side).
 // One division per element: x * sigmoid(x), sigmoid from exp(-|x|) as 1 / (1 + e) or e / (1 + e).
-// Below kExpMin, where exp_nonpositive clamps its argument, e is 0: SiLU of a gate under -87 is -0
-// (torch: 0 or a denormal; -inf gives NaN, as in torch), not x * e^-87, which grew to -4.9 at -3e38.
+// Below kExpMin exp_nonpositive returns 0: SiLU of a gate under -87 is -0 (torch: 0 or a denormal;
+// -inf gives NaN, as in torch), not x * e^-87, which grew to -4.9 at -3e38.
 inline float silu(float x) {
   const float a = x < 0.0f ? x : -x;  // -|x|; NaN stays NaN
-  const float e = a < sfcl::kExpMin ? 0.0f : sfcl::exp_nonpositive(a);
+  const float e = sfcl::exp_nonpositive(a);
   return x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e));
 }
 
