@@ -151,7 +151,8 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
     alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mnew);
     // every score so far -inf (a key that overflowed): their weights are exp(-inf) = 0, not exp(-inf - -inf),
     // a NaN that had made the whole row NaN where torch's SDPA is finite (a tester's finding)
-    const __m256 mv = _mm256_set1_ps(mnew == -std::numeric_limits<float>::infinity() ? 0.0f : mnew);
+    const float mref = mnew == -std::numeric_limits<float>::infinity() ? 0.0f : mnew;
+    const __m256 mv = _mm256_set1_ps(mref);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= c; j += 8) {
       const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
@@ -160,7 +161,7 @@ void group_block(const float* q, const float* kt, const float* v, int64_t vs, in
     }
     float tail = 0.0f;
     for (; j < c; ++j) {
-      s[j] = exp_nonpositive(s[j] - _mm256_cvtss_f32(mv));
+      s[j] = exp_nonpositive(s[j] - mref);
       tail += s[j];
     }
     l[r] = l[r] * alpha[r] + (hsum256(sum) + tail);
