@@ -30,7 +30,7 @@ from sfcl.model import decode_kernel
 from sfcl.model.hardware import resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
-from sfcl.model.quant import quantize_weights
+from sfcl.model.quant import pack_dense_weights, quantize_weights
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.grounding import Grounding
@@ -260,6 +260,9 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         wq = resolve_weight_format(mcfg.weight_quant, dtype, mcfg.device)
         quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
                          head_max_rows=wq.head_max_rows)
+        if not ecfg.compile and (n_packed := pack_dense_weights(lm.model)):
+            tagged_log("ENGINE", f"{n_packed} dense bf16 weights packed for oneDNN (prompt chunks and batches "
+                                 f"above the packed kernels' rows)")
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

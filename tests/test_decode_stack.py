@@ -171,6 +171,30 @@ def test_cached_arguments_follow_a_weight_swap(kernel):
     assert decode_stack.layer_args(copy.deepcopy(m), 1) is not after  # a copy gets its own tensors
 
 
+@pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
+@pytest.mark.parametrize("B", [1, 8])  # 8 > max_rows: the dense weights
+def test_dense_weights_packed_for_onednn_change_no_step(kernel, B):
+    """``quant.pack_dense_weights``: a bf16 decode step gives the same logits, tap state and K/V bit for
+    bit with the dense weights packed as with them plain, in the fused layers (``decode_layers``'
+    boxed call of ``mkldnn::_linear_pointwise``) and in the Python forward."""
+    plain = _tiny(attention_bias=True).to(torch.bfloat16)
+    quantize_weights(plain, "int4")
+    packed = copy.deepcopy(plain)
+    assert decode_stack.layer_args(packed, B) is not None  # cached before the packing: must not be reused
+    assert quant.pack_dense_weights(packed) == 9  # 4 projections x 2 layers and the (int8) lm_head
+    assert all(q.dense_weight.is_mkldnn for q in packed.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
+    kinds = decode_stack.layer_args(packed, B).kinds
+    assert kinds == ([decode_stack.KIND_DENSE] * 8 if B > quant.DEFAULT_MAX_ROWS["int4"] else kinds)
+    prompts = [[5 + i, 6, 7, 8 + i, 9][: 3 + i % 3] for i in range(B)]
+    nxt = [1 + i for i in range(B)]
+    ref, got = _both_ways(plain, plain.a, torch.bfloat16, prompts, nxt, 1), \
+        _both_ways(packed, packed.a, torch.bfloat16, prompts, nxt, 1)
+    for fused in (False, True):
+        (s0, kv0), (s1, kv1) = ref[fused], got[fused]
+        assert torch.equal(s1.logits, s0.logits) and torch.equal(s1.tap_hidden, s0.tap_hidden)
+        assert all(torch.equal(a, b) for a, b in zip(kv1.k + kv1.v, kv0.k + kv0.v))
+
+
 def test_steps_with_prompt_chunks_or_groups_do_not_apply():
     from sfcl.model.llama import ChunkSpec, RowGroup
 

@@ -83,6 +83,34 @@ def test_pool_save_restore_and_moves_copy_exactly(kv_dtype):
         assert torch.equal(a, s) and torch.equal(av, sv)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("pool_ids", [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12],  # one run: one copy per tensor
+                                      [12, 10, 8, 6, 4, 2, 0, 1, 3, 5]])  # 10 runs > MAX_COPY_RUNS: gathered
+def test_pool_save_restore_in_runs_or_gathered_copy_every_block(kv_dtype, pool_ids):
+    """``save`` / ``restore`` of 10 blocks through a run of consecutive pool ids and through ids in more
+    runs than ``kv_cache.MAX_COPY_RUNS`` (one gather per tensor): the restored row holds the saved
+    positions (and their INT8 scales) exactly, other pool blocks and positions are untouched."""
+    from sfcl.model import kv_cache
+
+    assert len(pool_ids) > kv_cache.MAX_COPY_RUNS
+    c = KVCache(ARGS, 3, 64, torch.float32, kv_dtype=kv_dtype, block_size=4, pool_blocks=13)
+    k, v = kv_pair(44, seed=2)
+    for layer in range(2):
+        c.write_prefill(layer, 0, 0, k, v)
+    pool_before = [t.clone() for t in c.pool_k + c.pool_v]
+    c.save(0, 1, pool_ids)  # blocks 1..10 (positions 4..44) -> the pool
+    c.restore(2, 1, pool_ids)
+    for layer in range(2):
+        a, av = c.read(layer, slice(0, 1), 44)
+        b, bv = c.read(layer, slice(2, 3), 44)
+        assert torch.equal(a[:, :, 4:44], b[:, :, 4:44]) and torch.equal(av[:, :, 4:44], bv[:, :, 4:44])
+        assert not b[:, :, :4].any() and not bv[:, :, :4].any()  # block 0 was not restored
+    unused = sorted(set(range(13)) - set(pool_ids))
+    for t, t0 in zip(c.pool_k + c.pool_v, pool_before):
+        assert torch.equal(t[unused], t0[unused])
+    assert c.hwm[2] == 44
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="kv_dtype"):
         KVCache(ARGS, 1, 8, torch.float32, kv_dtype="fp4")

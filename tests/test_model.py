@@ -151,6 +151,56 @@ def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
         assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
 
 
+def test_attention_runs_join_only_back_to_back_chunks_of_one_sequence():
+    from sfcl.model.llama import ChunkSpec, attention_runs
+
+    c = [ChunkSpec(slot=1, start=96, offset=2, length=32), ChunkSpec(slot=1, start=128, offset=34, length=7, want_probs=True),
+         ChunkSpec(slot=2, start=0, offset=41, length=16), ChunkSpec(slot=2, start=16, offset=57, length=8, want_probs=True),
+         ChunkSpec(slot=2, start=24, offset=65, length=4),  # follows a chunk that wants probabilities
+         ChunkSpec(slot=3, start=10, offset=69, length=4), ChunkSpec(slot=3, start=20, offset=73, length=4)]  # a gap
+    assert attention_runs(c, True) == [(0, 2), (2, 2), (4, 1), (5, 1), (6, 1)]
+    assert attention_runs(c, False) == [(i, 1) for i in range(7)]
+    assert attention_runs([], True) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_one_sequence_in_one_attention_call_change_nothing(fp32, monkeypatch, dtype):
+    """A step holding two chunks of one prompt after a cached prefix (a prefix-cache hit's blocks, then
+    its tail) attends in one call (``attention_runs``): logits, tap state and weights, and the KV written
+    are the same bit for bit as with a call per chunk."""
+    import copy
+
+    import sfcl.model.llama as llama
+    from sfcl.model.llama import ChunkSpec, StepBatch
+
+    model = fp32.model if dtype == torch.float32 else copy.deepcopy(fp32.model).to(dtype)
+    ids = fp32.tokenizer("The Receiving Party shall keep the Confidential Information in confidence for five (5) "
+                         "years after the Effective Date and shall not disclose it to any third party.").input_ids
+    p0, n = 8, len(ids)
+    layer = 5
+    out, kvs, calls = {}, {}, []
+    runs, attn = llama.attention_runs, llama.Attention.prefill_attn
+    monkeypatch.setattr(llama.Attention, "prefill_attn", lambda *x, **kw: calls.append(1) or attn(*x, **kw))
+    for merge in (False, True):
+        monkeypatch.setattr(llama, "attention_runs", lambda chunks, m, merge=merge: runs(chunks, m and merge))
+        kv = KVCache(fp32.args, 2, 64, dtype)
+        kv.ensure_initialized(2, 64)
+        model(torch.tensor([ids[:p0]]), AttnBatch(True, torch.tensor([0]), torch.arange(p0), p0), kv, layer)
+        step = StepBatch(positions=torch.arange(p0, n), decode=None,
+                         chunks=[ChunkSpec(slot=0, start=p0, offset=0, length=16),
+                                 ChunkSpec(slot=0, start=p0 + 16, offset=16, length=n - p0 - 16, want_probs=True)],
+                         sample_index=torch.tensor([n - p0 - 1]))
+        calls.clear()
+        out[merge], kvs[merge] = model.forward_step(torch.tensor([ids[p0:]]), step, kv, layer), kv
+        # one call per layer where SFCL's prompt kernels run (no masks built); else per chunk
+        native = llama.native_prefill_attention(torch.empty(1, dtype=dtype), fp32.args.head_dim)
+        assert len(calls) == fp32.args.n_layers * (1 if merge and native else 2)
+    a, b = out[False], out[True]
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tap_hidden, b.tap_hidden)
+    assert a.tap_probs[0] is None and b.tap_probs[0] is None and torch.equal(a.tap_probs[1], b.tap_probs[1])
+    assert all(torch.equal(x, y) for x, y in zip(kvs[False].k + kvs[False].v, kvs[True].k + kvs[True].v))
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_small_decode_attention_in_float32_matches_the_16_bit_path(monkeypatch, kv_dtype):
     """A 16-bit decode step attending to few positions (B x S <= SMALL_ATTN_FP32_POSITIONS) runs

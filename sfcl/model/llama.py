@@ -407,7 +407,8 @@ class Attention(nn.Module):
                      bias: torch.Tensor | None = None, masks: list | None = None):
         """One engine step's tokens in one call: x (N, H) = decode rows then prompt chunks.
         The projections run once over all N tokens; attention runs per part (the decode rows as
-        one batch, each chunk on its own). bias / masks: the decode rows' additive mask and each
+        one batch, each chunk on its own or with the chunks of its sequence that follow it,
+        ``attention_runs``). bias / masks: the decode rows' additive mask and each
         chunk's causal mask, built once per step (``LlamaModel.forward_step``). Returns
         (out (N, H), probs per part: list, one entry for the decode batch (if any) then one
         per chunk; float32 (B, nh, 1, S) or None; only when ``tap``)."""
@@ -418,15 +419,37 @@ class Attention(nn.Module):
             o, p = self.decode_attn(q[0, :nd], k[0, :nd], v[0, :nd], step.decode, kv, layer, tap, bias)
             outs.append(o)  # (nd, nh hd)
             probs.append(p)
-        for i, c in enumerate(step.chunks):
-            a, b = c.offset, c.offset + c.length
+        for i, n in attention_runs(step.chunks, masks is None):  # chunks [i, i + n): one sequence's, back to back
+            c, last = step.chunks[i], step.chunks[i + n - 1]
+            a, b = c.offset, last.offset + last.length
             o, p = self.prefill_attn(q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2),
-                                     c.start, c.slot, kv, layer, "last" if tap and c.want_probs else None,
+                                     c.start, c.slot, kv, layer, "last" if tap and last.want_probs else None,
                                      masks[i] if masks is not None else None)
-            outs.append(o[0].transpose(0, 1).reshape(c.length, -1))  # (T, nh hd)
-            probs.append(p)
+            outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # (T, nh hd)
+            probs += [None] * (n - 1) + [p]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (N, nh hd)
         return self.o_proj(o), probs
+
+
+def attention_runs(chunks: list[ChunkSpec], merge: bool) -> list[tuple[int, int]]:
+    """(first chunk, number of chunks) of each attention call a step's prompt chunks take, in order.
+    With ``merge`` (no per-chunk masks built), chunks that continue the previous one (same cache row,
+    next positions, next tokens of the step) and only the last of which wants probabilities share one
+    call: a repeated prompt's restored prefix is followed by two chunks (the blocks up to its last full
+    one, then its tail, which the scheduler keeps apart for its GEMM shapes), and each call packs the
+    row's whole K and V (~0.5 ms a layer at 3,100 cached positions, Intel Xeon with AMX). A query's
+    result does not depend on which queries share its call (``prefill_attention``), so this changes
+    no output."""
+    runs: list[list[int]] = []
+    for i, c in enumerate(chunks):
+        if merge and runs:
+            p = chunks[i - 1]
+            if (c.slot == p.slot and c.start == p.start + p.length and c.offset == p.offset + p.length
+                    and not p.want_probs):
+                runs[-1][1] += 1
+                continue
+        runs.append([i, 1])
+    return [(i, n) for i, n in runs]
 
 
 def chunk_mask(T: int, start: int, device) -> torch.Tensor | None:

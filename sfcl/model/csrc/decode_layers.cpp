@@ -26,6 +26,7 @@
 // cache rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "elementwise.h"
@@ -50,9 +51,25 @@ constexpr int64_t kInt4Group = 32;  // sfcl.model.quant.INT4_GROUP
 // int8 is SFCL's int8_linear (int8_linear.cpp), which QuantLinear runs too once this library is loaded;
 // int4 x int8 (kInt4Q8) is SFCL's int4_linear (int4_linear.cpp), on x as it is (QuantLinear.kernel "sfcl"),
 // int8 x int8 (kInt8Q8) SFCL's int8_q8_linear (int8_linear.cpp), on x as it is (QuantLinear.kernel "q8").
+// A dense weight packed by oneDNN (sfcl.model.quant.pack_dense_weights: an mkldnn tensor) is multiplied
+// by torch's mkldnn::_linear_pointwise, as QuantLinear.forward does, through the dispatcher (a boxed
+// call: the operator is registered by torch's oneDNN bindings, with no C++ header of its own).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(x.is_contiguous() ? x : x.contiguous());
+  stack.emplace_back(w);
+  stack.emplace_back(bias.has_value() && bias->defined() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());  // algorithm: none
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& s,
                    const c10::optional<at::Tensor>& bias) {
-  if (kind == kDense) return at::linear(x, w, bias);
+  if (kind == kDense) return w.is_mkldnn() ? packed_linear(x, w, bias) : at::linear(x, w, bias);
   at::Tensor y;
   if (kind == kInt4Q8) {
     y = sfcl::int4_linear(x.is_contiguous() ? x : x.contiguous(), w, s);
@@ -199,3 +216,6 @@ TORCH_LIBRARY_FRAGMENT(sfcl, m) {
 }
 
 TORCH_LIBRARY_IMPL(sfcl, CPU, m) { m.impl("decode_layers", &sfcl::decode_layers); }
+// weights packed by oneDNN (sfcl.model.quant.pack_dense_weights) are MkldnnCPU tensors, which route the
+// call to that dispatch key
+TORCH_LIBRARY_IMPL(sfcl, MkldnnCPU, m) { m.impl("decode_layers", &sfcl::decode_layers); }
