@@ -2,7 +2,7 @@
 
 Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant auto]
                                         [--threads 1] [--steps 100] [--profile] [--anchors DIR]
-                                        [--eager]
+                                        [--eager] [--pack-dense]
 
 Builds the engine as ``sfcl serve --compile`` does (default model, default anchor library),
 then calls the compiled decode step on dummy rows of B sequences attending to S cache
@@ -13,7 +13,9 @@ guard time ("TorchDynamo Cache Lookup") and the Python-wrapper time of
 ``sfcl.model.compiled.compile_options`` were found. Compiling takes 30 s to a few minutes
 (Inductor caches generated code under /tmp/torchinductor_$USER). ``--eager`` skips compiling:
 it times the eager step alone and, with ``--profile``, prints its operator table grouped by input
-shape (how the K/V copies of batched decode attention were found).
+shape (how the K/V copies of batched decode attention were found). ``--pack-dense`` (with ``--eager``)
+holds the dense bf16 weights in oneDNN's packed layout first, as ``sfcl serve`` does without
+``--compile`` (``sfcl.model.quant.pack_dense_weights``); run it with and without to compare.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true", help="print the torch.profiler operator table")
     ap.add_argument("--eager", action="store_true", help="no compile: time and profile the eager step only")
+    ap.add_argument("--pack-dense", action="store_true", help="with --eager: pack the dense bf16 weights for oneDNN")
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.model.compiled import dummy_decode_step
     from sfcl.model.hardware import resolve_weight_format
     from sfcl.model.loader import load_model
-    from sfcl.model.quant import quantize_weights
+    from sfcl.model.quant import pack_dense_weights, quantize_weights
 
     torch.set_num_threads(a.threads)
     mcfg, scfg = ModelConfig(), SnapshotConfig(anchors=a.anchors)
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     lib = load_anchors(lm, scfg, False)
     wq = resolve_weight_format(a.weight_quant, lm.model.embed_tokens.weight.dtype)
     quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
+    if a.pack_dense:
+        if not a.eager:
+            raise SystemExit("--pack-dense needs --eager (Dynamo does not take oneDNN's packed tensors)")
+        print(f"{pack_dense_weights(lm.model)} dense weights packed for oneDNN", flush=True)
     B, S = a.batch, a.length
     t0 = time.perf_counter()
     eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1),

@@ -174,9 +174,10 @@ def test_cached_arguments_follow_a_weight_swap(kernel):
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
 @pytest.mark.parametrize("B", [1, 8])  # 8 > max_rows: the dense weights
 def test_dense_weights_packed_for_onednn_change_no_step(kernel, B):
-    """``quant.pack_dense_weights``: a bf16 decode step gives the same logits, tap state and K/V bit for
-    bit with the dense weights packed as with them plain, in the fused layers (``decode_layers``'
-    boxed call of ``mkldnn::_linear_pointwise``) and in the Python forward."""
+    """``quant.pack_dense_weights``: a bf16 decode step gives the logits, tap state and K/V of the plain
+    dense weights, in the fused layers (``decode_layers``' boxed call of ``mkldnn::_linear_pointwise``)
+    and in the Python forward: to bf16 rounding (oneDNN may pick another kernel for the packed
+    weight; on the Intel Xeon with AMX of 2026-12-07 they agreed bit for bit)."""
     plain = _tiny(attention_bias=True).to(torch.bfloat16)
     quantize_weights(plain, "int4")
     packed = copy.deepcopy(plain)
@@ -191,8 +192,11 @@ def test_dense_weights_packed_for_onednn_change_no_step(kernel, B):
         _both_ways(packed, packed.a, torch.bfloat16, prompts, nxt, 1)
     for fused in (False, True):
         (s0, kv0), (s1, kv1) = ref[fused], got[fused]
-        assert torch.equal(s1.logits, s0.logits) and torch.equal(s1.tap_hidden, s0.tap_hidden)
-        assert all(torch.equal(a, b) for a, b in zip(kv1.k + kv1.v, kv0.k + kv0.v))
+        spread = float(s0.logits.std())
+        torch.testing.assert_close(s1.logits, s0.logits, rtol=0.02, atol=0.02 * spread)
+        torch.testing.assert_close(s1.tap_hidden, s0.tap_hidden)  # bf16 tolerances
+        for a, b in zip(kv1.k + kv1.v, kv0.k + kv0.v):
+            torch.testing.assert_close(a, b)
 
 
 def test_steps_with_prompt_chunks_or_groups_do_not_apply():

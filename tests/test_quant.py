@@ -547,9 +547,11 @@ def test_int8_kernel_follows_the_cpu_and_the_variable(kernels, monkeypatch):
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
 def test_dense_weights_packed_for_onednn_give_the_same_products():
     """``pack_dense_weights``: a ``QuantLinear``'s kept bf16 dense weight in oneDNN's packed layout gives
-    the products of the plain one bit for bit at every row count of its dense path (and of a prompt
-    chunk, under ``prompt_rows_dense``), with and without a bias; ``dense_matrix`` still reads the plain
-    weight; the model's weights version moves; other dense modes and float32 weights stay as they are."""
+    the products of the plain one (to bf16 rounding: oneDNN may pick another kernel for it; on the
+    Intel Xeon with AMX of 2026-12-07 they agreed bit for bit up to 256 rows) at row counts of its dense
+    path (and of a prompt chunk, under ``prompt_rows_dense``), with and without a bias; ``dense_matrix``
+    still reads the plain weight; the model's weights version moves; other dense modes and float32
+    weights stay as they are."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 64, bias=True).to(torch.bfloat16)
     for bias in (True, False):
@@ -564,10 +566,12 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
         assert torch.equal(packed.dense_matrix(), plain.dense_weight)
         for rows in (1, 5, 7, 16, 40, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
-            assert torch.equal(packed(x), plain(x)), rows
+            torch.testing.assert_close(packed(x), plain(x), msg=f"{rows} rows")
             with quant.prompt_rows_dense(True):
-                assert torch.equal(packed(x), plain(x)), rows
-        assert torch.equal(packed(torch.ones(2, 3, 96, dtype=torch.bfloat16)), plain(torch.ones(2, 3, 96, dtype=torch.bfloat16)))
+                torch.testing.assert_close(packed(x), plain(x), msg=f"{rows} rows")
+        x3 = torch.randn(2, 3, 96).to(torch.bfloat16)
+        assert packed(x3).shape == (2, 3, 64)
+        torch.testing.assert_close(packed(x3), plain(x3))
     others = torch.nn.Sequential(QuantLinear.from_linear(lin, "int4", 4, dense="dequant"),
                                  QuantLinear.from_linear(torch.nn.Linear(96, 64), "int4", 4))  # float32
     assert quant.pack_dense_weights(others) == 0 and not others[1].dense_weight.is_mkldnn

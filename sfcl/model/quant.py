@@ -484,8 +484,9 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
 
 
 # The batch-size hint oneDNN packs a dense weight for (``torch.ops.mkldnn._reorder_linear_weight``): any
-# batch runs on the packed weight; packed with this hint, products equal ``F.linear``'s bit for bit at 1-512
-# rows (bf16, torch 2.13, Intel Xeon with AMX; a hint of 1 gave other kernels and roundings from 40 rows).
+# batch runs on the packed weight. Packed with this hint, the model's products equalled ``F.linear``'s bit
+# for bit at 1-256 rows; at 512 rows the 576-column ones (o, down) rounded differently (bf16, torch 2.13,
+# Intel Xeon with AMX, 2026-12-07; a hint of 1 gave other roundings from 40 rows).
 PACK_BATCH_HINT = 512
 
 
@@ -511,9 +512,14 @@ def pack_dense_weights(model: nn.Module) -> int:
     prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), so that a
     product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
     into oneDNN's blocked layout on every call, which at a few dozen rows costs more than the product.
-    The 4 x 30 block projections of SmolLM2-135M took 16.8 / 17.0 / 20.7 / 27.2 / 53.5 ms at 7 / 16 / 40
-    / 128 / 512 rows with ``F.linear`` and 9.4 / 10.3 / 11.3 / 19.6 / 51.4 ms packed (2 threads, Intel Xeon
-    with AMX, 2026-12-07), the same products bit for bit. Not for a model run under ``torch.compile``
+    The 4 x 30 block projections of SmolLM2-135M took 17.9 / 18.4 / 23.4 / 33.9 / 52-54 ms at 7 / 16 /
+    40 / 128 / 256 rows with ``F.linear`` and 11.9 / 12.3 / 15.2 / 24.1 / 46-47 ms packed, the same products
+    bit for bit; at 512 rows 69 against 93-96 ms, some rounded differently (``python
+    scripts/profile_dense_packing.py``, 2 threads, Intel Xeon with AMX, 2026-12-07). In the model the
+    512-row prompt chunks did not slow down: a cold 3,117-token prefill took 1,137-1,146 ms packed and
+    1,145-1,153 ms plain, while a decode step of 16 rows went from 27.0-27.4 to 19.9 ms (``python
+    scripts/profile_repeated_prefill.py [--plain-weights]``, ``python scripts/profile_decode.py --eager
+    --batch 16 --length 300 --threads 2 [--pack-dense]``). Not for a model run under ``torch.compile``
     (Dynamo does not take oneDNN's opaque tensors: ``sfcl serve --compile`` leaves the weights plain).
     Returns how many weights were packed (0 where ``dense_packing_available`` is false)."""
     if not dense_packing_available():
