@@ -572,6 +572,10 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
         x3 = torch.randn(2, 3, 96).to(torch.bfloat16)
         assert packed(x3).shape == (2, 3, 64)
         torch.testing.assert_close(packed(x3), plain(x3))
+    copied = copy.deepcopy(m)  # oneDNN's opaque tensor has no storage: copied plain and packed again
+    assert copied[0].dense_weight.is_mkldnn and torch.equal(copied[0].dense_matrix(), packed.dense_matrix())
+    x = torch.randn(9, 96).to(torch.bfloat16)
+    assert torch.equal(copied[0](x), packed(x)) and packed.dense_weight.is_mkldnn
     others = torch.nn.Sequential(QuantLinear.from_linear(lin, "int4", 4, dense="dequant"),
                                  QuantLinear.from_linear(torch.nn.Linear(96, 64), "int4", 4))  # float32
     assert quant.pack_dense_weights(others) == 0 and not others[1].dense_weight.is_mkldnn

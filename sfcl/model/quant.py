@@ -355,6 +355,21 @@ class QuantLinear(nn.Module):
     def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep") -> "QuantLinear":
         return cls(mode, lin.weight.data, lin.bias, max_rows, dense)
 
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle: a dense weight packed by ``pack_dense_weights`` (oneDNN's opaque
+        tensor, which has no storage to copy) travels plain and is packed again by ``__setstate__``."""
+        state = self.__dict__.copy()
+        w = state.get("dense_weight")
+        if w is not None and w.is_mkldnn:
+            state["dense_weight"], state["_dense_packed"] = w.to_dense(), True
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        repack = state.pop("_dense_packed", False)
+        super().__setstate__(state)
+        if repack:
+            self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight, PACK_BATCH_HINT)
+
     def dense_matrix(self) -> torch.Tensor | None:
         """The kept dense weight (``dense="keep"``) as a plain (N, K) tensor in the model dtype, also
         after ``pack_dense_weights`` (a copy then); None for the other dense modes."""
