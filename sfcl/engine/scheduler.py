@@ -331,9 +331,10 @@ class Scheduler:
         for seq in first + [q for q in prefilling if q not in first]:
             n_prompt = len(seq.prompt_ids)
             # With prefix caching the prompt's tail (after its last full cacheable block) is always
-            # its own chunk: a later request restoring the blocks computes that tail in the same
-            # GEMM shapes, so a repeated request reproduces the cold one bit for bit (bf16 GEMMs of
-            # other shapes may round differently).
+            # its own chunk: a later request restoring the blocks computes that tail as its own
+            # chunk too. (The step's GEMMs run over all its rows, whose count differs between the
+            # cold and the repeated request, so in bf16 a repeat may still round differently and part
+            # from the cold answer at a near tie: docs/engine.md.)
             boundary = len(seq.block_hashes) * bs if self.prefix.enabled else 0
             while budget > 0 and seq.num_computed < n_prompt:
                 start = seq.num_computed

@@ -500,8 +500,9 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
 
 # The batch-size hint oneDNN packs a dense weight for (``torch.ops.mkldnn._reorder_linear_weight``): any
 # batch runs on the packed weight. Packed with this hint, the model's products equalled ``F.linear``'s bit
-# for bit at 1-256 rows; at 512 rows the 576-column ones (o, down) rounded differently (bf16, torch 2.13,
-# Intel Xeon with AMX, 2026-12-07; a hint of 1 gave other roundings from 40 rows).
+# for bit at 1-256 rows; from ~300 rows the 576-column ones (q, o, down) rounded differently in ~0.01% of
+# their elements (bf16, torch 2.13, Intel Xeon with AMX, 2026-12-07; a hint of 1 gave other roundings from
+# 40 rows).
 PACK_BATCH_HINT = 512
 
 
