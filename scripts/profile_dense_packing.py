@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sfcl.model.quant import PACK_BATCH_HINT, dense_packing_available
+from sfcl.model.quant import dense_packing_available, packed_linear, packed_weight
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("this torch build does not pack bf16 weights for oneDNN (sfcl.model.quant.dense_packing_available)")
     g = torch.Generator().manual_seed(0)
     plain = [[(torch.randn(o, i, generator=g) * 0.05).to(torch.bfloat16) for o, i in SHAPES] for _ in range(a.layers)]
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in layer] for layer in plain]
+    packed = [[packed_weight(w) for w in layer] for layer in plain]
     print(f"{a.layers} layers x 4 projections, bf16, {torch.get_num_threads()} threads; ms per pass (best of 3 x {a.reps})")
     for rows in (int(r) for r in a.rows.split(",")):
         xs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for _, i in SHAPES}
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> None:
             return [F.linear(xs[w.shape[1]], w) for layer in plain for w in layer]
 
         def run_packed():
-            return [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                    for layer, players in zip(plain, packed) for w, p in zip(layer, players)]
+            return [packed_linear(xs[w.shape[1]], p) for layer, players in zip(plain, packed) for w, p in zip(layer, players)]
 
         same = all(torch.equal(x, y) for x, y in zip(run_plain(), run_packed()))
         best = {"F.linear": float("inf"), "packed": float("inf")}

@@ -42,18 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     from sfcl.engine.request import SamplingParams
-    from sfcl.engine_stack import load_anchors, make_llm_engine
+    from sfcl.engine_stack import load_anchors, make_llm_engine, served_weights
     from sfcl.model import llama
-    from sfcl.model.hardware import resolve_weight_format
     from sfcl.model.loader import load_model
-    from sfcl.model.quant import quantize_weights
 
     lm = load_model(None, dtype="auto")
     scfg = SnapshotConfig()
     lib = load_anchors(lm, scfg, False)
-    wq = resolve_weight_format("auto", next(lm.model.parameters()).dtype)
-    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
-                     head_max_rows=wq.head_max_rows)
+    served_weights(lm)  # as sfcl serve holds them (dense bf16 weights packed for oneDNN since 2026-12-07)
     eng = make_llm_engine(lm, lib, EngineConfig(), scfg, "cpu", decode_threads=torch.get_num_threads())
     prompts = []
     for d in json.loads(open(a.data, encoding="utf-8").read())["documents"]:

@@ -5,7 +5,7 @@ Usage: python scripts/profile_repeated_prefill.py [--questions 5] [--tokens 4000
                                                   [--plain-weights] [--profile]
 
 Loads the bundled model as ``sfcl serve`` does (``--dtype auto``, ``--weight-quant auto``, the dense
-bf16 weights packed for oneDNN unless ``--plain-weights``: ``sfcl.model.quant.pack_dense_weights``),
+bf16 weights packed for oneDNN unless ``--plain-weights``: ``sfcl.engine_stack.served_weights``),
 then, through ``LLMEngine`` (no HTTP), the bench's long-document messages
 (``sfcl.bench.workloads.long_document``: the ContractNLI NDA nearest ``--tokens`` tokens, one
 question each), one at a time, each to its first token. Prints per request the prompt tokens, the
@@ -37,18 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.bench.workloads import long_document
     from sfcl.engine.async_engine import encode_chat
     from sfcl.engine.request import SamplingParams
-    from sfcl.engine_stack import load_anchors, make_llm_engine
-    from sfcl.model.hardware import resolve_weight_format
+    from sfcl.engine_stack import load_anchors, make_llm_engine, served_weights
     from sfcl.model.loader import load_model
-    from sfcl.model.quant import pack_dense_weights, quantize_weights
 
     lm = load_model(None, dtype="auto")
     scfg = SnapshotConfig()
     lib = load_anchors(lm, scfg, False)
-    wq = resolve_weight_format("auto", next(lm.model.parameters()).dtype)
-    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
-                     head_max_rows=wq.head_max_rows)
-    packed = 0 if a.plain_weights else pack_dense_weights(lm.model)
+    wq, packed = served_weights(lm, pack_dense=not a.plain_weights)
     eng = make_llm_engine(lm, lib, EngineConfig(), scfg, "cpu", decode_threads=torch.get_num_threads())
     doc = long_document(contractnli_path(), a.tokens, a.questions + 2)
     print(f"{wq.label} weights, {packed} dense weights packed for oneDNN, snapshot mode {a.snapshot_mode}, "

@@ -27,7 +27,7 @@ from sfcl.library.store import AnchorLibrary, AnchorLibraryError
 from sfcl.library.versions import load_library
 from sfcl.metrics import PrometheusStatLogger
 from sfcl.model import decode_kernel
-from sfcl.model.hardware import resolve_weight_format
+from sfcl.model.hardware import WeightChoice, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
 from sfcl.model.quant import pack_dense_weights, quantize_weights
@@ -37,6 +37,19 @@ from sfcl.snapshot.grounding import Grounding
 from sfcl.snapshot.snapshotter import Snapshotter
 from sfcl.snapshot.steering import SteerConfig
 from sfcl.snapshot.triggers import TriggerConfig
+
+
+def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "cpu",
+                   pack_dense: bool = True) -> tuple[WeightChoice, int]:
+    """Put ``lm``'s weights in the format ``sfcl serve`` runs them in, in place: ``--weight-quant``
+    resolved for its dtype and ``device`` (``sfcl.model.hardware.resolve_weight_format``), the model
+    quantized (``quantize_weights``) and, with ``pack_dense`` (the server's unless ``--compile``), its
+    dense bf16 weights packed for oneDNN (``pack_dense_weights``). The profiling scripts call it to
+    measure the served model. Returns the choice and how many weights were packed."""
+    wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
+    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
+                     head_max_rows=wq.head_max_rows)
+    return wq, (pack_dense_weights(lm.model) if pack_dense else 0)
 
 
 def tagged_log(tag: str, msg: str) -> None:
@@ -250,17 +263,14 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         if torch.device(mcfg.device).type == "cpu":  # built into --cache-dir before anything else loads them
             decode_kernel.load(cache_dir=scfg.cache_dir)  # (the library build's search, the int4 kernel choice)
         lib = load_anchors(lm, scfg, progress)
-        # after the library: a default library built on first start comes from the unquantized weights
-        # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
-        dtype = next(lm.model.parameters()).dtype
         decode_threads, prefill_threads = engine_threads(mcfg.threads, ecfg.prefill_threads)
         mcfg = replace(mcfg, threads=decode_threads)
         ecfg = replace(ecfg, prefill_threads=prefill_threads if prefill_threads != decode_threads else None)
         tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}")
-        wq = resolve_weight_format(mcfg.weight_quant, dtype, mcfg.device)
-        quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
-                         head_max_rows=wq.head_max_rows)
-        if not ecfg.compile and (n_packed := pack_dense_weights(lm.model)):
+        # after the library: a default library built on first start comes from the unquantized weights
+        # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
+        _, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
+        if n_packed:
             tagged_log("ENGINE", f"{n_packed} dense bf16 weights packed for oneDNN (prompt chunks and batches "
                                  f"above the packed kernels' rows)")
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here

@@ -368,7 +368,7 @@ class QuantLinear(nn.Module):
         repack = state.pop("_dense_packed", False)
         super().__setstate__(state)
         if repack:
-            self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight, PACK_BATCH_HINT)
+            self.dense_weight = packed_weight(self.dense_weight)
 
     def dense_matrix(self) -> torch.Tensor | None:
         """The kept dense weight (``dense="keep"``) as a plain (N, K) tensor in the model dtype, also
@@ -423,7 +423,7 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         elif self.dense_weight is not None and self.dense_weight.is_mkldnn:  # packed by pack_dense_weights
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.dense_weight, self.bias, "none", [], "")
+            y = packed_linear(x2, self.dense_weight, self.bias)
         else:
             w = self.dense_weight if self.dense_weight is not None else self.dequantized_weight().to(x.dtype)
             y = F.linear(x2, w, self.bias)
@@ -506,6 +506,18 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
 PACK_BATCH_HINT = 512
 
 
+def packed_weight(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K) bf16 CPU -> the same weight in oneDNN's packed layout (an opaque MkldnnCPU tensor),
+    for ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ w^T (+ bias) for a weight from ``packed_weight``: (M, N) in x's dtype
+    (``torch.ops.mkldnn._linear_pointwise``, no post-op)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+
+
 @functools.cache
 def dense_packing_available() -> bool:
     """Whether this torch build packs bf16 linear weights for oneDNN (``torch.ops.mkldnn``'s
@@ -517,8 +529,7 @@ def dense_packing_available() -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
         x = torch.randn(24, 96, generator=g).to(torch.bfloat16)
-        p = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), F.linear(x, w)))
+        return bool(torch.equal(packed_linear(x, packed_weight(w)), F.linear(x, w)))
     except (RuntimeError, AttributeError):
         return False
 
@@ -544,7 +555,7 @@ def pack_dense_weights(model: nn.Module) -> int:
     for m in model.modules():
         w = getattr(m, "dense_weight", None) if isinstance(m, QuantLinear) else None
         if w is not None and not w.is_mkldnn and w.dtype == torch.bfloat16 and w.device.type == "cpu":
-            m.dense_weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
+            m.dense_weight = packed_weight(w)
             n += 1
     if n:
         model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
