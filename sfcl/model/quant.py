@@ -108,10 +108,29 @@ def prompt_rows_dense(active: bool = True):
         _dense_only -= 1
 
 
+# Callbacks run with the model whenever ``quantize_weights`` or ``pack_dense_weights`` swap its weights:
+# caches that hold references to the old weights drop them there (``on_new_weights``).
+_new_weights_listeners: list = []
+
+
 def weights_version(model: nn.Module) -> int:
-    """How many times ``quantize_weights`` swapped ``model``'s projections (0: never); callers that
-    cache references to the projection weights key their caches on it."""
+    """How many times ``quantize_weights`` or ``pack_dense_weights`` swapped ``model``'s projection
+    weights (0: never); callers that cache references to the weights key their caches on it."""
     return model.__dict__.get("_sfcl_weights_version", 0)
+
+
+def on_new_weights(fn):
+    """Register ``fn(model)``, called each time ``model``'s weights are swapped (after the version is
+    bumped): a cache of references to the weights drops them there, so that the replaced tensors are
+    freed at once rather than when the cache is next read. Returns ``fn`` (usable as a decorator)."""
+    _new_weights_listeners.append(fn)
+    return fn
+
+
+def _new_weights(model: nn.Module) -> None:
+    model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
+    for fn in _new_weights_listeners:
+        fn(model)
 
 
 def dense_only() -> bool:
@@ -494,7 +513,7 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
                     setattr(parent, name, swap(lin, mode, rows))
     if head != "none" and isinstance(model.lm_head, nn.Linear):
         model.lm_head = swap(model.lm_head, head, head_rows)
-    model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
+    _new_weights(model)
     return model
 
 
@@ -558,7 +577,7 @@ def pack_dense_weights(model: nn.Module) -> int:
             m.dense_weight = packed_weight(w)
             n += 1
     if n:
-        model.__dict__["_sfcl_weights_version"] = weights_version(model) + 1
+        _new_weights(model)
     return n
 
 
