@@ -41,22 +41,19 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
-    from sfcl.engine_stack import load_anchors, make_llm_engine
+    from sfcl.engine_stack import load_anchors, make_llm_engine, served_weights
     from sfcl.model.compiled import dummy_decode_step
-    from sfcl.model.hardware import resolve_weight_format
     from sfcl.model.loader import load_model
-    from sfcl.model.quant import pack_dense_weights, quantize_weights
 
     torch.set_num_threads(a.threads)
     mcfg, scfg = ModelConfig(), SnapshotConfig(anchors=a.anchors)
     lm = load_model(mcfg.model, dtype=mcfg.dtype, device="cpu", cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, False)
-    wq = resolve_weight_format(a.weight_quant, lm.model.embed_tokens.weight.dtype)
-    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head)
+    if a.pack_dense and not a.eager:
+        raise SystemExit("--pack-dense needs --eager (Dynamo does not take oneDNN's packed tensors)")
+    wq, n_packed = served_weights(lm, a.weight_quant, "cpu", pack_dense=a.pack_dense)  # as sfcl serve does
     if a.pack_dense:
-        if not a.eager:
-            raise SystemExit("--pack-dense needs --eager (Dynamo does not take oneDNN's packed tensors)")
-        print(f"{pack_dense_weights(lm.model)} dense weights packed for oneDNN", flush=True)
+        print(f"{n_packed} dense weights packed for oneDNN", flush=True)
     B, S = a.batch, a.length
     t0 = time.perf_counter()
     eng = make_llm_engine(lm, lib, EngineConfig(max_num_seqs=max(16, B), max_model_len=max(2048, S + 1),
