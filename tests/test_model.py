@@ -92,6 +92,52 @@ def test_local_hf_folder_loads_and_matches_transformers(tmp_path, lm, arch):
     assert torch.allclose(out.logits[0], ref, atol=1e-4)
 
 
+def _tiny_hf_folder(folder, lm) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=lm.args.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+
+
+def test_a_first_load_with_a_cache_converts_in_a_child_process(tmp_path, lm, monkeypatch):
+    """With a cache directory the checkpoint is read by ``python -m sfcl.model.convert`` (what reading
+    it imports and allocates ends with that process) and the caller loads the cache: the same weights,
+    bit for bit, as an uncached load that reads the checkpoint in process."""
+    from sfcl.model import loader
+
+    _tiny_hf_folder(tmp_path / "m", lm)
+    uncached = load_model(str(tmp_path / "m"), dtype=torch.float32)
+
+    def not_here(src):
+        raise AssertionError("the checkpoint was read in the calling process")
+
+    monkeypatch.setattr(loader, "read_checkpoint", not_here)
+    cached = load_model(str(tmp_path / "m"), dtype=torch.float32, cache_dir=tmp_path / "cache")
+    (done,) = (tmp_path / "cache" / "models").glob("*/done")
+    assert done.read_text() == "ok"
+    a, b = uncached.model.state_dict(), cached.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cached.fingerprint == uncached.fingerprint and cached.args == uncached.args
+
+
+def test_the_child_conversion_reports_errors_and_falls_back_in_process(tmp_path, lm):
+    """An unreadable checkpoint: the child's ModelLoadError reaches the caller, nothing is cached. A
+    cache that cannot be written (a file where its folder would be): the model loads, read in process."""
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model(str(tmp_path / "bad.gguf"), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("models/*/done"))
+    _tiny_hf_folder(tmp_path / "m", lm)
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "models").write_text("a file, not a folder")
+    got = load_model(str(tmp_path / "m"), dtype=torch.float32, cache_dir=tmp_path / "ro")
+    assert got.args.n_layers == 2
+
+
 def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):
     """One flattened step (2 decode rows + 2 prompt chunks of different sequences) gives the
     same logits, tap states and snapshot-layer weights as the per-part forwards (fp32)."""

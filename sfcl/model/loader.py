@@ -5,6 +5,14 @@ dequantises to float), then move into ``sfcl.model.llama.LlamaModel`` in the ser
 The converted weights and tokenizer are cached under ``cache_dir/models/<key>`` (key = path, size
 and mtime of the source) so that a restart skips GGUF dequantisation. Nothing is ever downloaded:
 transformers runs with ``local_files_only=True``.
+
+With a cache directory the conversion runs in a child process (``python -m sfcl.model.convert
+SOURCE CACHE``, ``sfcl.model.convert``), and the caller loads the cached result as any later start does: reading a GGUF
+imports ~100 MiB of transformers modules and dequantises a float32 copy of the model, and in the
+serving process both stayed resident for its whole life (a first ``sfcl serve`` held +116 MiB after
+start-up on the AMD EPYC, 2026-12-07, ``docs/benchmarks.md``). The child costs a few seconds, once
+per machine. Where the child cannot run or cannot write the cache, the conversion runs in process,
+uncached, as without a cache directory.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +114,10 @@ def model_fingerprint(args: LlamaArgs, model: LlamaModel) -> str:
     return h.hexdigest()
 
 
-def _load_hf(src: ModelSource):
+def read_checkpoint(src: ModelSource):
+    """Read ``src`` with transformers (``local_files_only``; GGUF dequantised to float32): (config,
+    LlamaArgs, tokenizer, float32 state dict, (RoPE inverse frequencies, attention scaling)). Raises
+    ModelLoadError when it cannot be read or is not a supported architecture."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:  # pragma: no cover - dependency of the package
@@ -152,42 +164,57 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
     ``sfcl.model.hardware.resolve_dtype``, which logs the choice on stderr).
     Raises ModelLoadError with an actionable message when the model is missing or unsupported.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     dtype = resolve_dtype(dtype, device)
     src = resolve_model(spec)
     cache = Path(cache_dir).expanduser() / "models" / _cache_key(src) if cache_dir else None
+    if cache is not None and not (cache / "done").is_file():
+        print(f"[MODEL] reading {src.path.name} with transformers (the first load only, then cached in {cache}: "
+              "~10-30 s on 2 cores, most of it parsing the file's metadata; in a child process) ...",
+              file=sys.stderr, flush=True)
+        _convert_in_child(src, cache)
     if cache is not None and (cache / "done").is_file():
         meta = json.loads((cache / "meta.json").read_text())
         args = LlamaArgs(**meta["args"])
         tok = AutoTokenizer.from_pretrained(cache, local_files_only=True)
         state = load_file(cache / "weights.safetensors")
         inv_freq, scaling = state.pop("__inv_freq__"), meta["attention_scaling"]
-    else:
-        once = f"the first load only, then cached in {cache}: " if cache is not None else ""
-        print(f"[MODEL] reading {src.path.name} with transformers ({once}~10-30 s on 2 cores, most of it parsing "
-              "the file's metadata) ...", file=sys.stderr, flush=True)
-        cfg, args, tok, state, (inv_freq, scaling) = _load_hf(src)
+    else:  # no cache, or the child could not fill it
+        if cache is None:
+            print(f"[MODEL] reading {src.path.name} with transformers (~10-30 s on 2 cores, most of it parsing the "
+                  "file's metadata) ...", file=sys.stderr, flush=True)
+        cfg, args, tok, state, (inv_freq, scaling) = read_checkpoint(src)
     model = LlamaModel(args, inv_freq, scaling)
     load_weights(model, state)
     model = model.to(device=device, dtype=dtype).eval()
-    if cache is not None and not (cache / "done").is_file():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            keep = {k: v for k, v in state.items() if not (args.tie_word_embeddings and k == "lm_head.weight")}
-            save_file({k: v.float().contiguous() for k, v in keep.items()} | {"__inv_freq__": inv_freq.float()},
-                      cache / "weights.safetensors")
-            tok.save_pretrained(cache)
-            (cache / "meta.json").write_text(json.dumps({"args": {f: getattr(args, f) for f in args.__slots__},
-                                                         "attention_scaling": scaling, "source": str(src.path)}))
-            (cache / "done").write_text("ok")
-        except OSError as e:  # a read-only cache is not fatal
-            log.warning("could not cache converted weights in %s: %s", cache, e)
     del state
     eos = _eos_ids(tok)
     return LoadedModel(model=model, tokenizer=tok, args=args, name=src.name,
                        fingerprint=model_fingerprint(args, model), source=str(src.path), eos_token_ids=eos)
+
+
+def _convert_in_child(src: ModelSource, cache: Path) -> None:
+    """``convert_to_cache`` in a child process (module docstring), its progress on our stderr.
+    Raises ModelLoadError with the child's message when the model cannot be read; returns without
+    a filled cache (the caller then converts in process) when the child could not run or could not
+    write the cache."""
+    from sfcl.model.convert import CONVERT_ERROR
+
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this sfcl package: the child imports it
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        r = subprocess.run([sys.executable, "-m", "sfcl.model.convert", str(src.path), str(cache)],
+                           stdout=subprocess.PIPE, text=True, check=False, env=env)
+    except OSError as e:
+        log.warning("could not start the conversion's child process (%s); converting in process", e)
+        return
+    for line in r.stdout.splitlines():
+        if line.startswith(CONVERT_ERROR):
+            raise ModelLoadError(line[len(CONVERT_ERROR):])
+    if r.returncode != 0:
+        log.warning("the conversion's child process ended with code %s; converting in process, uncached", r.returncode)
 
 
 def _eos_ids(tok) -> list[int]:
