@@ -1,5 +1,7 @@
 """Our Llama forward against transformers' reference implementation (fp32), and the taps."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -130,12 +132,38 @@ def test_the_child_conversion_reports_errors_and_falls_back_in_process(tmp_path,
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError, match="cannot load"):
         load_model(str(tmp_path / "bad.gguf"), cache_dir=tmp_path / "cache")
+    gguf = resolve_model(None).path  # the bundled GGUF cut after 1,000 bytes: a reader's struct.error
+    (tmp_path / "cut.gguf").write_bytes(gguf.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot load .*cut.gguf"):
+        load_model(str(tmp_path / "cut.gguf"), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("models/*/done"))
     _tiny_hf_folder(tmp_path / "m", lm)
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / "models").write_text("a file, not a folder")
     got = load_model(str(tmp_path / "m"), dtype=torch.float32, cache_dir=tmp_path / "ro")
     assert got.args.n_layers == 2
+
+
+def test_a_conversion_lands_whole_or_not_at_all(tmp_path, lm):
+    """``convert_to_cache`` renames a finished folder into place: a leftover without ``done`` is
+    replaced, and a second conversion into a complete cache keeps the first (two servers starting
+    together), leaving no temporary folders behind."""
+    from sfcl.model.convert import convert_to_cache
+    from sfcl.model.loader import resolve_model as resolve
+
+    _tiny_hf_folder(tmp_path / "m", lm)
+    cache = tmp_path / "models" / "key"
+    cache.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "models" / f".key.{dead.pid}.x1").mkdir()  # the folder of a conversion killed while writing
+    (cache / "weights.safetensors").write_bytes(b"half written")  # no done: cut short
+    convert_to_cache(resolve(str(tmp_path / "m")), cache)
+    assert (cache / "done").read_text() == "ok" and (cache / "weights.safetensors").stat().st_size > 1000
+    first = (cache / "weights.safetensors").stat().st_ino
+    convert_to_cache(resolve(str(tmp_path / "m")), cache)
+    assert (cache / "weights.safetensors").stat().st_ino == first
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["key"]
 
 
 def test_forward_step_equals_separate_decode_and_chunk_forwards(fp32):

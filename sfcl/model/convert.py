@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from sfcl.model.loader import ModelLoadError, ModelSource, read_checkpoint, resolve_model
+from sfcl.model import loader
+from sfcl.model.loader import CONVERT_ERROR, ModelLoadError, ModelSource
 
 log = logging.getLogger("sfcl.model")
 
@@ -20,22 +24,51 @@ def convert_to_cache(src: ModelSource, cache: Path) -> None:
     """Read ``src`` with transformers and write what ``load_model`` reads back into ``cache``: the
     float32 weights (``weights.safetensors``, with the RoPE inverse frequencies as ``__inv_freq__``;
     a tied ``lm_head`` left out), the tokenizer, ``meta.json`` (architecture, RoPE attention scaling,
-    source path) and, last, ``done``. Raises ModelLoadError (unreadable or unsupported model) or
-    OSError (the cache cannot be written)."""
+    source path) and ``done``. Written into a folder of its own beside ``cache`` and renamed into
+    place, so that a process loading ``cache`` never reads files another conversion is still writing
+    (two servers starting together on one cache). Where ``cache`` already holds a complete conversion
+    (another process's), this one is dropped; a ``cache`` without ``done`` (a conversion cut short by
+    older code) is replaced. Raises ModelLoadError (unreadable or unsupported model) or OSError (the
+    cache cannot be written)."""
     from safetensors.torch import save_file
 
-    _, args, tok, state, (inv_freq, scaling) = read_checkpoint(src)
-    cache.mkdir(parents=True, exist_ok=True)
-    keep = {k: v for k, v in state.items() if not (args.tie_word_embeddings and k == "lm_head.weight")}
-    save_file({k: v.float().contiguous() for k, v in keep.items()} | {"__inv_freq__": inv_freq.float()},
-              cache / "weights.safetensors")
-    tok.save_pretrained(cache)
-    (cache / "meta.json").write_text(json.dumps({"args": {f: getattr(args, f) for f in args.__slots__},
-                                                 "attention_scaling": scaling, "source": str(src.path)}))
-    (cache / "done").write_text("ok")
+    _, args, tok, state, (inv_freq, scaling) = loader.read_checkpoint(src)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    _drop_orphans(cache)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.{os.getpid()}.", dir=cache.parent))
+    os.chmod(tmp, 0o755)  # as a plain mkdir would leave it (mkdtemp's folder is private)
+    try:
+        keep = {k: v for k, v in state.items() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+        save_file({k: v.float().contiguous() for k, v in keep.items()} | {"__inv_freq__": inv_freq.float()},
+                  tmp / "weights.safetensors")
+        tok.save_pretrained(tmp)
+        (tmp / "meta.json").write_text(json.dumps({"args": {f: getattr(args, f) for f in args.__slots__},
+                                                   "attention_scaling": scaling, "source": str(src.path)}))
+        (tmp / "done").write_text("ok")
+        if cache.is_dir() and not (cache / "done").is_file():
+            shutil.rmtree(cache, ignore_errors=True)
+        try:
+            os.rename(tmp, cache)  # atomic; fails when another conversion got there first
+        except OSError:
+            if not (cache / "done").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename
 
 
-CONVERT_ERROR = "sfcl-convert-error: "  # the child's stdout line that carries a ModelLoadError's message
+def _drop_orphans(cache: Path) -> None:
+    """Remove the temporary folders of conversions into ``cache`` whose process is gone (killed while
+    writing: ~0.5 GB each for SmolLM2-135M); a live process's folder is left alone."""
+    for d in cache.parent.glob(f".{cache.name}.*"):
+        pid = d.name.split(".")[2] if d.name.count(".") >= 3 else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _convert_main(argv: list[str]) -> int:
@@ -44,7 +77,7 @@ def _convert_main(argv: list[str]) -> int:
     cache cannot be written."""
     source, cache = argv
     try:
-        convert_to_cache(resolve_model(source), Path(cache))
+        convert_to_cache(loader.resolve_model(source), Path(cache))
     except ModelLoadError as e:
         print(CONVERT_ERROR + " ".join(str(e).split()), flush=True)
         return 2

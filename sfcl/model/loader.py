@@ -130,9 +130,11 @@ def read_checkpoint(src: ModelSource):
         args = args_from_config(cfg)
         tok = AutoTokenizer.from_pretrained(src.folder, **kw)
         hf = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32, **kw)
+    except ModelLoadError:
+        raise
     except ValueError as e:
         raise ModelLoadError(f"cannot load {src.path}: {e}") from e
-    except (OSError, KeyError, RuntimeError) as e:
+    except Exception as e:  # a malformed file fails deep in the readers (struct.error, IndexError, ...)
         raise ModelLoadError(f"cannot load {src.path}: {type(e).__name__}: {e}") from e
     rope = _rope_params(cfg)
     return cfg, args, tok, hf.state_dict(), rope
@@ -195,13 +197,14 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
                        fingerprint=model_fingerprint(args, model), source=str(src.path), eos_token_ids=eos)
 
 
+CONVERT_ERROR = "sfcl-convert-error: "  # the child's stdout line that carries a ModelLoadError's message
+
+
 def _convert_in_child(src: ModelSource, cache: Path) -> None:
     """``convert_to_cache`` in a child process (module docstring), its progress on our stderr.
     Raises ModelLoadError with the child's message when the model cannot be read; returns without
     a filled cache (the caller then converts in process) when the child could not run or could not
     write the cache."""
-    from sfcl.model.convert import CONVERT_ERROR
-
     root = str(Path(__file__).resolve().parents[2])  # the folder holding this sfcl package: the child imports it
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     try:
