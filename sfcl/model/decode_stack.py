@@ -29,8 +29,8 @@ from sfcl.model.quant import QuantLinear
 # csrc/decode_layers.cpp's kDense, kInt8, kInt4, kInt4Q8, kInt8Q8
 KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_Q8, KIND_INT8_Q8 = 0, 1, 2, 3, 4
 _EMPTY = torch.empty(0)
-# model -> (quant.weights_version, {(rows, dense only): LayerArgs}); entries of one weights version only
-_cache: "weakref.WeakKeyDictionary[nn.Module, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+# model -> {(rows, dense only): LayerArgs} for the model's current weights: a weight swap drops them
+_cache: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 quant.on_new_weights(lambda model: _cache.pop(model, None))  # the replaced weights are freed with the entries
 
 
@@ -68,18 +68,13 @@ def _projection(lin: nn.Module, rows: int) -> tuple[int, torch.Tensor, torch.Ten
 
 def layer_args(model, rows: int) -> LayerArgs | None:
     """The arguments for a step of ``rows`` decode rows, or None when some layer cannot run in
-    ``decode_layers``. Cached per model, row count and dense mode for the model's current
-    ``quant.weights_version`` (which ``quantize_weights`` and ``pack_dense_weights`` bump when they swap
-    the weights, dropping this model's entries through ``quant.on_new_weights``): entries of older
-    weights would keep the replaced tensors alive. A first ``sfcl serve`` calibrates the default library
+    ``decode_layers``. Cached per model, row count and dense mode until ``quantize_weights`` or
+    ``pack_dense_weights`` swap the model's weights, which drops the model's entries
+    (``quant.on_new_weights``): kept, they would be stale and keep the replaced tensors alive. A first ``sfcl serve`` calibrates the default library
     on the plain weights and then quantizes and packs them; the plain ones stayed resident (+~330 MiB
     RSS for the life of that server on the AMD EPYC, 2026-12-07, until this dropped them).
     Weak on the model: a copied model (deepcopy) starts without entries."""
-    version = quant.weights_version(model)
-    held = _cache.get(model)
-    if held is None or held[0] != version:
-        held = _cache[model] = (version, {})
-    cache, key = held[1], (rows, quant.dense_only())
+    cache, key = _cache.setdefault(model, {}), (rows, quant.dense_only())
     if key in cache:
         return cache[key]
     out: LayerArgs | None = None

@@ -172,11 +172,12 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
     dtype = resolve_dtype(dtype, device)
     src = resolve_model(spec)
     cache = Path(cache_dir).expanduser() / "models" / _cache_key(src) if cache_dir else None
-    if cache is not None and not (cache / "done").is_file():
-        print(f"[MODEL] reading {src.path.name} with transformers (the first load only, then cached in {cache}: "
-              "~10-30 s on 2 cores, most of it parsing the file's metadata; in a child process) ...",
-              file=sys.stderr, flush=True)
-        _convert_in_child(src, cache)
+    if cache is None or not (cache / "done").is_file():
+        once = f"the first load only, in a child process, then cached in {cache}: " if cache is not None else ""
+        print(f"[MODEL] reading {src.path.name} with transformers ({once}~10-30 s on 2 cores, most of it parsing "
+              "the file's metadata) ...", file=sys.stderr, flush=True)
+        if cache is not None:
+            _convert_in_child(src, cache)
     if cache is not None and (cache / "done").is_file():
         meta = json.loads((cache / "meta.json").read_text())
         args = LlamaArgs(**meta["args"])
@@ -184,9 +185,6 @@ def load_model(spec: str | None = None, *, dtype: torch.dtype | str = "auto", de
         state = load_file(cache / "weights.safetensors")
         inv_freq, scaling = state.pop("__inv_freq__"), meta["attention_scaling"]
     else:  # no cache, or the child could not fill it
-        if cache is None:
-            print(f"[MODEL] reading {src.path.name} with transformers (~10-30 s on 2 cores, most of it parsing the "
-                  "file's metadata) ...", file=sys.stderr, flush=True)
         cfg, args, tok, state, (inv_freq, scaling) = read_checkpoint(src)
     model = LlamaModel(args, inv_freq, scaling)
     load_weights(model, state)

@@ -115,7 +115,7 @@ _new_weights_listeners: list = []
 
 def weights_version(model: nn.Module) -> int:
     """How many times ``quantize_weights`` or ``pack_dense_weights`` swapped ``model``'s projection
-    weights (0: never); callers that cache references to the weights key their caches on it."""
+    weights (0: never). Caches of references to the weights drop them through ``on_new_weights``."""
     return model.__dict__.get("_sfcl_weights_version", 0)
 
 
