@@ -3,13 +3,20 @@ scheduler): which format ``sfcl.model.hardware.choose_weight_quant`` should pick
 
     python scripts/profile_weight_formats.py [--dtype auto] [--batches 1,4,16,32] [--prefill 256]
         [--formats none,fp16,int4+fp16,int4+fp16/fp16,int8+fp16/fp16] [--threads 1] [--reps 12] [--split 4] [--max-rows 6] [--head-max-rows 3] [--kernels]
+        [--pack-dense] [--gemvs torch,sfcl]
 
 A format is ``MODE[+DENSE][/HEAD]`` for ``sfcl.model.quant.quantize_weights(model, MODE, dense=DENSE,
 lm_head=HEAD)``: ``int4+fp16/fp16`` = int4 packed kernels for decode batches of <= max_rows rows,
-FBGEMM fp16 weights above, fp16 lm_head. Each batch size B runs ``LlamaModel.forward_step`` on B
+FBGEMM fp16 weights above, fp16 lm_head; ``FORMAT@N`` sets that format's max_rows to N (e.g.
+``int4/int8@0``: the packed kernels for no batch, the dense weights for all). Each batch size B runs ``LlamaModel.forward_step`` on B
 decode rows attending to ``--length`` cache positions (``--prefill T``: one T-token prompt chunk),
 the formats in turn (ABAB...), ``--reps`` rounds; prints the median wall ms and thread CPU ms
-per step, and each format's ratio to the first. On a shared machine the CPU-time column is the
+per step, and each format's ratio to the first. ``--pack-dense`` holds each model's dense bf16
+weights in oneDNN's packed layout, as ``sfcl serve`` does without ``--compile``
+(``sfcl.model.quant.pack_dense_weights``). ``--gemvs torch,sfcl`` quantizes every int4 / int8 format
+once per GEMV choice (``$SFCL_INT4_KERNEL`` = torch / sfcl with ``$SFCL_INT8_KERNEL`` = bf16 / q8 while
+it is quantized: ``sfcl.model.quant.int4_kernel``), labelled ``FORMAT[torch]`` and ``FORMAT[sfcl]``, so
+that both GEMVs are timed in one process. On a shared machine the CPU-time column is the
 steadier one (it still includes cache and memory-bandwidth contention); report ``uptime`` with it.
 """
 
@@ -42,21 +49,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", action="store_true",
                     help="SFCL's fused decode kernels on, as sfcl serve runs them (decode_kernel.enable): "
                          "decode-only steps whose projections decode_layers takes run in one C++ call")
+    ap.add_argument("--pack-dense", action="store_true", help="pack the dense bf16 weights for oneDNN, as sfcl serve")
+    ap.add_argument("--gemvs", default="", help="torch,sfcl: each int4 / int8 format once per GEMV choice")
     a = ap.parse_args(argv)
 
     from sfcl.model.compiled import dummy_decode_step
     from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import ChunkSpec, StepBatch
     from sfcl.model.loader import load_model
-    from sfcl.model.quant import parse_weight_format, quantize_weights, weight_bytes
+    import os
+
+    from sfcl.model.quant import pack_dense_weights, parse_weight_format, quantize_weights, weight_bytes
 
     torch.set_num_threads(a.threads)
     lm = load_model(None, dtype=a.dtype)
     models = {}
+    env = {"torch": ("torch", "bf16"), "sfcl": ("sfcl", "q8")}
     for spec in a.formats.split(","):
-        mode, dense, head = parse_weight_format(spec)
-        models[spec] = quantize_weights(copy.deepcopy(lm.model), mode, a.max_rows, dense=dense, lm_head=head,
-                                         head_max_rows=a.head_max_rows)
+        body, _, rows = spec.partition("@")  # FORMAT@N: max_rows N for this format
+        mode, dense, head = parse_weight_format(body)
+        max_rows = int(rows) if rows else a.max_rows
+        gemvs = [g for g in a.gemvs.split(",") if g] if (mode, head) != ("none", None) else []
+        for g in gemvs or [None]:
+            if g is not None:  # read by QuantLinear when it is built
+                os.environ["SFCL_INT4_KERNEL"], os.environ["SFCL_INT8_KERNEL"] = env[g]
+            m = quantize_weights(copy.deepcopy(lm.model), mode, max_rows, dense=dense, lm_head=head,
+                                 head_max_rows=a.head_max_rows if a.head_max_rows is not None else max_rows)
+            if a.pack_dense:
+                pack_dense_weights(m)
+            models[spec if g is None else f"{spec}[{g}]"] = m
+    for k in ("SFCL_INT4_KERNEL", "SFCL_INT8_KERNEL"):
+        os.environ.pop(k, None)
     del lm.model
     batches = [int(b) for b in a.batches.split(",") if b]
     dtype = next(iter(models.values())).embed_tokens.weight.dtype

@@ -167,7 +167,7 @@ def test_cached_arguments_follow_a_weight_swap(kernel):
     assert before.kinds == [decode_stack.KIND_DENSE] * 8
     quantize_weights(m, "int4")
     after = decode_stack.layer_args(m, 1)
-    sfcl_int4 = m.layers[0].mlp.down_proj.kernel == "sfcl"  # quant.int4_kernel: SFCL's GEMV on AVX2 CPUs
+    sfcl_int4 = m.layers[0].mlp.down_proj.kernel == "sfcl"  # quant.int4_kernel: SFCL's GEMV but on AVX-512 with AMX
     assert after.kinds == [decode_stack.KIND_INT4_Q8 if sfcl_int4 else decode_stack.KIND_INT4] * 8
     assert decode_stack.layer_args(m, 7).kinds == [decode_stack.KIND_DENSE] * 8  # above max_rows: the dense copies
     assert decode_stack.layer_args(copy.deepcopy(m), 1) is not after  # a copy gets its own tensors

@@ -519,13 +519,15 @@ def test_int8_q8_linear_rejects_bad_arguments(kernels):
 
 
 def test_int8_kernel_follows_the_cpu_and_the_variable(kernels, monkeypatch):
-    """``auto``: int8 activations below AVX-512 (where ``int4_kernel`` picks SFCL's too), bf16 ones on
-    AVX-512; ``$SFCL_INT8_KERNEL`` overrides; another value raises. A QuantLinear's packed path
-    runs the chosen kernel on x as it is, and its dense path still multiplies by the same weights."""
+    """``auto``: int8 activations (where ``int4_kernel`` picks SFCL's too) except on AVX-512 code with
+    AMX, bf16 ones there; ``$SFCL_INT8_KERNEL`` overrides; another value raises. A QuantLinear's packed
+    path runs the chosen kernel on x as it is, and its dense path still multiplies by the same weights."""
     monkeypatch.delenv("SFCL_INT8_KERNEL", raising=False)
     monkeypatch.delenv("SFCL_INT4_KERNEL", raising=False)
-    for cap, want in (("AVX2", "q8"), ("AVX512", "bf16"), ("DEFAULT", "q8")):
+    for cap, amx, want in (("AVX2", True, "q8"), ("AVX2", False, "q8"), ("AVX512", True, "bf16"),
+                           ("AVX512", False, "q8"), ("DEFAULT", False, "q8")):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=cap: c)
+        monkeypatch.setattr(quant, "_cpu_has_amx", lambda a=amx: a)
         assert quant.int8_kernel() == want
         assert quant.int4_kernel() == ("sfcl" if want == "q8" else "torch")
     monkeypatch.setenv("SFCL_INT8_KERNEL", "bf16")

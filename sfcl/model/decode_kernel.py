@@ -6,9 +6,9 @@ operators: ``torch.ops.sfcl.decode_attention`` (``decode_attention.cpp``, called
 layer of a decode-only step in one call; ``sfcl.model.decode_stack``), ``torch.ops.sfcl.int8_linear``
 (``int8_linear.cpp``, the int8 weights' GEMV, which ``sfcl.model.quant.QuantLinear`` runs in place
 of torch's once the library is loaded; ``loaded``), ``torch.ops.sfcl.int8_q8_linear`` (the same file,
-the int8 weights' GEMV on int8 activations, where ``quant.int8_kernel`` picks it: CPUs below
-AVX-512), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``, the int4 weights' GEMV on int8
-activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: CPUs below AVX-512),
+the int8 weights' GEMV on int8 activations, where ``quant.int8_kernel`` picks it: all CPUs but
+AVX-512 ones with AMX), ``torch.ops.sfcl.int4_linear`` (``int4_linear.cpp``, the int4 weights' GEMV on int8
+activations, which ``QuantLinear`` runs where ``quant.int4_kernel`` picks it: the same CPUs),
 ``torch.ops.sfcl.logit_stats`` (``logit_stats.cpp``, the anchor builder's per-row logsumexp, top-k and
 surprisal in one pass; ``sfcl.anchors.model_pass``), ``torch.ops.sfcl.rms_norm`` / ``silu_mul`` / ``rope_``
 (``elementwise.cpp``, a decoder layer's element-wise steps over many float32 or 16-bit rows, one loop each, for

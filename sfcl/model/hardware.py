@@ -324,8 +324,26 @@ class WeightFormat:
 #   --formats none,int4,int8,int4/int4 --threads 1 --reps 8`), against bf16 weights: int4 0.46 / 0.52 /
 #   0.59 / 0.79 / 0.98 / 0.99x at 1 / 2 / 4 / 6 / 8 / 16 rows (the bf16 weights kept for batches above
 #   6 rows), 1.02x for a 256-token prompt chunk; int8 0.63 / 0.75 / 0.79 / 0.98x at 1 / 2 / 4 / 6 rows.
+# - With SFCL's int4 x int8 and int8 x int8 kernels (quant.int4_kernel() "sfcl": every CPU but AVX-512
+#   ones with AMX), measured 2026-12-07 on an AMD EPYC Zen 4 (AVX-512 BF16 and VNNI, no AMX), 2 threads,
+#   fused decode layers, the kept bf16 weights packed for oneDNN as served (`python
+#   scripts/profile_weight_formats.py --formats int4/int8@0,int4/int8@16 --gemvs torch,sfcl --batches
+#   1,4,6,7,8,10,12,16 --prefill 0 --threads 2 --kernels --pack-dense`), against the packed bf16 weights:
+#   0.33 / 0.64 / 0.81 / 0.83 / 0.92 / 1.05 / 1.09x at 1 / 4 / 6 / 7 / 8 / 10 / 12 rows (torch's kernels
+#   0.37 / 0.68 / 1.22 / 1.06 / 1.08x at 1 / 4 / 6 / 7 / 8: its 6-row cut was measured before the
+#   packing), hence 8 rows. NDA perplexity over all 61 NDAs x 512 tokens (`python
+#   scripts/weight_quant_quality.py --docs 61 --tokens 512 --prompts 8 --modes int4`, $SFCL_INT4_KERNEL /
+#   $SFCL_INT8_KERNEL set each way): +0.52% [+0.37, +0.66] against +0.16% [+0.08, +0.25] with torch's
+#   kernels; the nearest anchor agreed on 96.5% of tokens against 98.0%.
 WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
     "bf16": [
+        WeightFormat("int4", "keep", "int8", 8, 0.0066,
+                     "SFCL's int4 x int8 kernels for 1-8-row decode batches (the int8 lm_head on int8 activations "
+                     "too), bf16 weights above and for prompts (step 0.33x / 0.92x of the packed bf16 weights at "
+                     "batch 1 / 8, 1.05x at 10); NDA perplexity +0.52% [95% CI +0.37, +0.66] (recorded on an AMD "
+                     "EPYC Zen 4 with AVX-512 BF16, no AMX, with scripts/weight_quant_quality.py and "
+                     "scripts/profile_weight_formats.py --gemvs torch,sfcl, not measured at start-up)",
+                     int4_kernel="sfcl"),
         WeightFormat("int4", "keep", "int8", 6, 0.0023,
                      "int4 kernels for 1-6-row batches, bf16 weights above (step 0.46x / 0.79x of bf16 at batch 1 / 6, "
                      "1.0x at 8+); NDA perplexity +0.07% [95% CI -0.10, +0.23] (recorded on an AMD EPYC with AVX-512 "

@@ -21,8 +21,8 @@ Modes (weights quantized, activations stay bf16/fp32 — "W8A16"/"W4A16", as in 
   the fp32 dequantized GGUF (0 of 106,168,320 differ), and the re-quantized fp32 weights equal the
   GGUF's exactly; only the kernel's bf16 scale/zero round (max |error| vs the fp32 GGUF weights
   0.033, against 0.014 for the bf16 weights themselves). ``lm_head`` stays int8 (see
-  ``DEFAULT_LM_HEAD``). Where torch's CPU capability is below AVX-512, the packed path is SFCL's
-  int4 x int8 GEMV instead (``int4_kernel``, ``int4_q8_layout``, ``csrc/int4_linear.cpp``): the
+  ``DEFAULT_LM_HEAD``). Where torch's CPU capability is below AVX-512, or the CPU has no AMX, the
+  packed path is SFCL's int4 x int8 GEMV instead (``int4_kernel``, ``int4_q8_layout``, ``csrc/int4_linear.cpp``): the
   same codes and bf16 scales in its own layout, activations quantised to int8 per block of 32
   ("W4A8" on that path; NDA perplexity +0.35% against +0.26% with torch's kernel, AVX2 code paths),
   and an int8 ``lm_head`` runs SFCL's int8 x int8 GEMV (``int8_kernel``, ``int8_q8_linear`` in
@@ -228,10 +228,33 @@ INT4_KERNELS = ("auto", "sfcl", "torch")
 INT8_KERNELS = ("auto", "q8", "bf16")
 
 
+@functools.cache
+def _cpu_has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (``/proc/cpuinfo`` ``amx_bf16``; False where unknown)."""
+    from sfcl.model.hardware import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
+
+
 def _integer_activations() -> bool:
     """The ``auto`` rule of ``int4_kernel`` and ``int8_kernel``: quantise activations to int8 (SFCL's
-    integer GEMVs) where torch's CPU capability is below AVX-512 and SFCL's native kernels load."""
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512") and decode_kernel.load()
+    integer GEMVs) where SFCL's native kernels load, unless torch runs AVX-512 code on a CPU with AMX.
+
+    Measured on the 120 block projections of the default model, 2 threads
+    (``scripts/profile_int4_linear.py``), and on whole decode steps (``scripts/profile_weight_formats.py
+    --gemvs torch,sfcl``):
+    - AVX2 code paths (Intel Xeon, 2026-12-05): SFCL's int4 GEMV 4.26 ms against torch's 6.21 at one
+      row, its int8 head 1.13 against 1.49 ms;
+    - AMD EPYC Zen 4 (AVX-512 BF16 and VNNI, no AMX; 2026-12-07): int4 2.92 / 3.73 / 5.47 / 7.80 ms
+      against torch's 3.77 / 4.70 / 6.41 / 11.52 at 1 / 2 / 4 / 6 rows; the int8 head level at 1-2 rows
+      and 1.5 against 2.6-2.8 ms at 3-4 (``scripts/profile_int8_linear.py``); the decode step with
+      both 0.91 / 0.94 / 0.66x of torch's at 1 / 4 / 6 rows;
+    - Intel Xeon with AMX, AVX-512 code (2026-12-05): int4 level (4.29 against 4.35 ms), the int8
+      head slower (1.53 against 1.37 ms at one row, more at 3-4), so torch's kernels stay there.
+    AMX stands in for the microarchitecture here: two AVX-512 CPUs were measured, one with AMX."""
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _cpu_has_amx():
+        return False
+    return decode_kernel.load()
 
 
 def _gemv_choice(variable: str, choices: tuple[str, ...], integer: str, other: str) -> str:
@@ -250,9 +273,9 @@ def int4_kernel() -> str:
     """Which GEMV an int4 ``QuantLinear``'s packed path runs: ``"sfcl"`` (``torch.ops.sfcl.int4_linear``,
     int8 activations, SFCL's layout; ``csrc/int4_linear.cpp``) or ``"torch"``
     (``torch._weight_int4pack_mm_for_cpu``, bf16 activations). ``$SFCL_INT4_KERNEL`` = ``auto``
-    (default): SFCL's where torch's CPU capability is below AVX-512 (there torch's int4 kernel read
-    the weights at ~9 GB/s; ``scripts/profile_int4_linear.py``) and SFCL's native kernels load,
-    else torch's. Raises ValueError for another value of the variable."""
+    (default): SFCL's where SFCL's native kernels load, except on AVX-512 code with AMX
+    (``_integer_activations``: the measurements), else torch's. Raises ValueError for another value
+    of the variable."""
     return _gemv_choice("SFCL_INT4_KERNEL", INT4_KERNELS, "sfcl", "torch")
 
 
@@ -260,8 +283,8 @@ def int8_kernel() -> str:
     """Which GEMV an int8 ``QuantLinear``'s packed path runs: ``"q8"`` (``torch.ops.sfcl.int8_q8_linear``,
     activations quantised to int8 per block of 32; ``csrc/int8_linear.cpp``) or ``"bf16"``
     (``int8_mm``: bf16 activations). ``$SFCL_INT8_KERNEL`` = ``auto`` (default): ``q8`` by
-    ``int4_kernel``'s rule (below AVX-512, where converting the codes to float made the lm_head's
-    GEMV compute-bound: 1.49 against 1.13 ms after a 96 MB copy on AVX2 code paths,
+    ``int4_kernel``'s rule (``_integer_activations``: all but AVX-512 code with AMX; on AVX2 converting
+    the codes to float made the lm_head's GEMV compute-bound, 1.49 against 1.13 ms after a 96 MB copy,
     ``scripts/profile_int8_linear.py``), else ``bf16``. Raises ValueError for another value of the
     variable."""
     return _gemv_choice("SFCL_INT8_KERNEL", INT8_KERNELS, "q8", "bf16")
@@ -599,8 +622,12 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by the linear layers: ``packed`` (kernel weights + scales; fp16 weights of an
     ``Fp16Linear``) and ``dense`` (copies kept for the M > max_rows path, excluding a dense weight
     shared with the embedding). An FBGEMM fp16 matrix counts 2 bytes per weight (its padding is
-    not visible from Python)."""
+    not visible from Python; a weight packed for oneDNN, ``pack_dense_weights``, counts its logical size)."""
     emb = model.embed_tokens.weight.data_ptr()
+
+    def shared(w: torch.Tensor) -> bool:  # the embedding itself (a packed copy never is)
+        return not w.is_mkldnn and w.data_ptr() == emb
+
     out = {"packed": 0, "dense": 0}
     fp16_dense = {id(m.dense_fp16) for m in model.modules() if isinstance(m, QuantLinear) and m.dense_fp16 is not None}
     for m in model.modules():
@@ -608,8 +635,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             out["dense" if id(m) in fp16_dense else "packed"] += 2 * m.in_features * m.out_features
         elif isinstance(m, QuantLinear):
             out["packed"] += sum(b.numel() * b.element_size() for b in m.buffers())
-            if m.dense_weight is not None and m.dense_weight.data_ptr() != emb:
+            if m.dense_weight is not None and not shared(m.dense_weight):
                 out["dense"] += m.dense_weight.numel() * m.dense_weight.element_size()
-        elif isinstance(m, nn.Linear) and m.weight.data_ptr() != emb:
+        elif isinstance(m, nn.Linear) and not shared(m.weight):
             out["dense"] += m.weight.numel() * m.weight.element_size()
     return out
