@@ -30,8 +30,8 @@ ENV_VARS = (
      "`0`: never build or load SFCL's native CPU kernels (decode attention and layers, as `--attention-kernel "
      "torch`; the int8 GEMV, torch's instead; the anchor search's IVF pass, in torch operators)."),
     ("SFCL_INT4_KERNEL", "`sfcl.model.quant.int4_kernel`",
-     "Which GEMV int4 weights run on: `auto` (default; SFCL's int4 x int8 kernel where torch's CPU capability "
-     "is below AVX-512 and SFCL's kernels load, else torch's), `sfcl`, or `torch`."),
+     "Which GEMV int4 weights run on: `auto` (default; SFCL's int4 x int8 kernel where SFCL's kernels load, "
+     "except where torch runs AVX-512 code on a CPU with AMX: torch's there), `sfcl`, or `torch`."),
     ("SFCL_INT8_KERNEL", "`sfcl.model.quant.int8_kernel`",
      "Which GEMV int8 weights (the default formats' `lm_head`) run on: `auto` (default; `q8`, SFCL's int8 x "
      "int8 kernel on activations quantised per block of 32, by `SFCL_INT4_KERNEL`'s `auto` rule, else `bf16`), "
