@@ -73,7 +73,9 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                         "perplexity stays within 1%% on this machine kind, logged as [WEIGHTS] on stderr (AVX2 "
                         "fp32: SFCL's int4 packed kernels for decode batches of 1-32 rows, FBGEMM fp16 weights "
                         "above and for prompts, or 1-3 rows where SFCL's kernels cannot be built and torch's int4 "
-                        "kernel runs; native bf16: int4 for 1-6-row batches, bf16 above); none = as loaded; fp16 = FBGEMM fp16 weights; int8 "
+                        "kernel runs; native bf16: SFCL's int4 x int8 kernels for 1-8-row batches, or torch's "
+                        "int4 kernel for 1-6 rows on a CPU with AMX, bf16 above); none = as loaded; fp16 = FBGEMM "
+                        "fp16 weights; int8 "
                         "per-channel / int4 group-32 packed kernels for small batches")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (prefix cache, INT8 scales)")
     p.add_argument("--prefix-cache-tokens", type=int, default=32768,
