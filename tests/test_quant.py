@@ -343,10 +343,14 @@ def test_weight_format_choice_follows_the_int4_kernel_that_runs(monkeypatch):
     monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
     monkeypatch.setattr("sfcl.model.quant.fp16_gemm_available", lambda: True)
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "sfcl")
+    monkeypatch.setattr("sfcl.model.quant.int8_kernel", lambda: "q8")
     c = choose_weight_format("auto", torch.float32)
     assert (c.max_rows, c.head_max_rows) == (32, 3) and "sfcl kernel" in c.reason
-    assert c.summary(torch.float32) == ("int4 block projections for decode batches of 1-32 rows, FBGEMM fp16 weights "
-                                        "above and for prompt tokens; int8 lm_head for 1-3 rows")
+    assert c.summary(torch.float32) == ("int4 block projections (SFCL's int4 x int8 GEMV) for decode batches of "
+                                        "1-32 rows, FBGEMM fp16 weights above and for prompt tokens; int8 lm_head "
+                                        "(SFCL's int8 x int8 GEMV) for 1-3 rows")
+    monkeypatch.setattr("sfcl.model.quant.int8_kernel", lambda: "bf16")  # the log says what runs, not the candidate
+    assert "int8 lm_head (int8 GEMV on unquantised activations) for 1-3 rows" in c.summary(torch.float32)
     assert choose_weight_format("int4", torch.float32).max_rows == 32
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "torch")
     c = choose_weight_format("auto", torch.float32)

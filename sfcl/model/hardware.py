@@ -222,8 +222,11 @@ class WeightChoice:
         return f"{self.mode}{dense}" + (f"/{self.lm_head}" if self.lm_head else "")
 
     def summary(self, dtype: torch.dtype) -> str:
-        """The format in words, for the log line: which kernels take which batches."""
-        from sfcl.model.quant import resolved_cuts
+        """The format in words, for the log line: which kernels take which batches, and which GEMV
+        the packed int4 / int8 weights run on (``quant.int4_kernel`` / ``int8_kernel``: SFCL's on
+        int8 activations, or one on the activations as they are). Raises ValueError for a bad
+        ``$SFCL_INT4_KERNEL`` / ``$SFCL_INT8_KERNEL``."""
+        from sfcl.model.quant import int4_kernel, int8_kernel, resolved_cuts
 
         if self.mode == "none":
             return "weights as loaded"
@@ -232,9 +235,11 @@ class WeightChoice:
         head, rows, head_rows = resolved_cuts(self.mode, self.lm_head, self.max_rows, self.head_max_rows)
         above = {"keep": f"{str(dtype).removeprefix('torch.')} weights", "fp16": "FBGEMM fp16 weights",
                  "dequant": "weights dequantized per call"}[self.dense]
-        head_part = f"{head} lm_head" + (f" for 1-{head_rows} rows" if head in ("int8", "int4") else "")
-        return (f"{self.mode} block projections for decode batches of 1-{rows} rows, {above} above and for "
-                f"prompt tokens; {head_part}")
+        gemv = {"int4": "SFCL's int4 x int8 GEMV" if int4_kernel() == "sfcl" else "torch's int4 GEMV",
+                "int8": "SFCL's int8 x int8 GEMV" if int8_kernel() == "q8" else "int8 GEMV on unquantised activations"}
+        head_part = f"{head} lm_head" + (f" ({gemv[head]}) for 1-{head_rows} rows" if head in gemv else "")
+        blocks = f"{self.mode} block projections" + (f" ({gemv[self.mode]})" if self.mode in gemv else "")
+        return f"{blocks} for decode batches of 1-{rows} rows, {above} above and for prompt tokens; {head_part}"
 
 
 def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu") -> WeightChoice:
@@ -320,6 +325,8 @@ class WeightFormat:
 # - int4 blocks (+ int8 lm_head) against bf16 weights: NDA perplexity +0.07% [95% CI -0.10, +0.23]
 #   (12 NDAs x 512 tokens; `python scripts/weight_quant_quality.py --docs 12 --tokens 512 --prompts 8
 #   --modes int4,int8 --threads 1`); int8 +0.39% [+0.04, +0.72]; an int4 lm_head is +5.8% (quant.py).
+#   Over all 61 NDAs x 512 tokens (2026-12-07, the same command with --docs 61 --prompts 8 --modes int4,
+#   torch's kernels): int4 +0.16% [+0.08, +0.25], the figure the candidate quotes.
 # - engine step (`python scripts/profile_weight_formats.py --batches 1,2,4,6,8,16 --prefill 256
 #   --formats none,int4,int8,int4/int4 --threads 1 --reps 8`), against bf16 weights: int4 0.46 / 0.52 /
 #   0.59 / 0.79 / 0.98 / 0.99x at 1 / 2 / 4 / 6 / 8 / 16 rows (the bf16 weights kept for batches above
@@ -344,11 +351,11 @@ WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
                      "EPYC Zen 4 with AVX-512 BF16, no AMX, with scripts/weight_quant_quality.py and "
                      "scripts/profile_weight_formats.py --gemvs torch,sfcl, not measured at start-up)",
                      int4_kernel="sfcl"),
-        WeightFormat("int4", "keep", "int8", 6, 0.0023,
+        WeightFormat("int4", "keep", "int8", 6, 0.0025,
                      "int4 kernels for 1-6-row batches, bf16 weights above (step 0.46x / 0.79x of bf16 at batch 1 / 6, "
-                     "1.0x at 8+); NDA perplexity +0.07% [95% CI -0.10, +0.23] (recorded on an AMD EPYC with AVX-512 "
-                     "BF16 with scripts/weight_quant_quality.py and scripts/profile_weight_formats.py, not measured at "
-                     "start-up)"),
+                     "1.0x at 8+); NDA perplexity +0.16% [95% CI +0.08, +0.25] over 61 NDAs (recorded on an AMD EPYC "
+                     "with AVX-512 BF16 with scripts/weight_quant_quality.py and scripts/profile_weight_formats.py, "
+                     "not measured at start-up)"),
     ],
     "fp32_fbgemm": [
         WeightFormat("int4", "fp16", "int8", 32, 0.0054,
