@@ -191,7 +191,9 @@ def server(nda_library, cache_dir, tmp_path_factory):
          "--cache-dir", str(cache_dir), "--max-num-seqs", "4", "--threads", "2"],
         cwd=REPO, env=env, stdout=out, stderr=err, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    # A first start may compile SFCL's kernels (~1 min on 2 idle cores, ~3 min beside other jobs:
+    # this fixture once timed out at 180 s with a load average of 5-7)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err.seek(0)
