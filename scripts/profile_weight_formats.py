@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -57,14 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     from sfcl.model.kv_cache import KVCache
     from sfcl.model.llama import ChunkSpec, StepBatch
     from sfcl.model.loader import load_model
-    import os
-
     from sfcl.model.quant import pack_dense_weights, parse_weight_format, quantize_weights, weight_bytes
 
     torch.set_num_threads(a.threads)
     lm = load_model(None, dtype=a.dtype)
     models = {}
     env = {"torch": ("torch", "bf16"), "sfcl": ("sfcl", "q8")}
+    saved = {k: os.environ.get(k) for k in ("SFCL_INT4_KERNEL", "SFCL_INT8_KERNEL")}
     for spec in a.formats.split(","):
         body, _, rows = spec.partition("@")  # FORMAT@N: max_rows N for this format
         mode, dense, head = parse_weight_format(body)
@@ -74,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             if g is not None:  # read by QuantLinear when it is built
                 os.environ["SFCL_INT4_KERNEL"], os.environ["SFCL_INT8_KERNEL"] = env[g]
             m = quantize_weights(copy.deepcopy(lm.model), mode, max_rows, dense=dense, lm_head=head,
-                                 head_max_rows=a.head_max_rows if a.head_max_rows is not None else max_rows)
+                                 head_max_rows=a.head_max_rows)
             if a.pack_dense:
                 pack_dense_weights(m)
             models[spec if g is None else f"{spec}[{g}]"] = m
-    for k in ("SFCL_INT4_KERNEL", "SFCL_INT8_KERNEL"):
-        os.environ.pop(k, None)
+    for k, v in saved.items():  # as the caller set them
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     del lm.model
     batches = [int(b) for b in a.batches.split(",") if b]
     dtype = next(iter(models.values())).embed_tokens.weight.dtype

@@ -17,23 +17,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 
+import numpy as np
 
-def rate(rows: list[list[int]], idx: list[int]) -> float:
-    """Lookups per 1,000 tokens over the prompts ``idx`` of ``rows`` ([lookups, tokens] each)."""
-    return 1000.0 * sum(rows[i][0] for i in idx) / max(1, sum(rows[i][1] for i in idx))
+from sfcl.eval.stats import bootstrap_indices, estimate, ratio_of_sums
 
 
-def compare(new: list[list[int]], old: list[list[int]], reps: int = 5000) -> tuple[float, float, float]:
-    """Rate difference new - old and its 95% percentile-bootstrap CI, prompts resampled in pairs.
-    Raises ValueError when the runs hold different numbers of prompts."""
+def rate(rows: list[list[int]]) -> float:
+    """Lookups per 1,000 tokens over ``rows`` ([lookups, tokens] per prompt)."""
+    r = np.asarray(rows, np.float64)
+    return ratio_of_sums(r[:, 0], r[:, 1], scale=1000.0)
+
+
+def compare(new: list[list[int]], old: list[list[int]], reps: int = 5000) -> dict:
+    """Rate difference new - old with its 95% percentile-bootstrap CI (``sfcl.eval.stats``), the
+    prompts (one NDA each) resampled in pairs: {"value", "ci_lo", "ci_hi"}. Raises ValueError when
+    the runs hold different numbers of prompts."""
     if len(new) != len(old):
         raise ValueError(f"the runs hold {len(new)} and {len(old)} prompts")
-    rng, idx = random.Random(0), list(range(len(new)))
-    diffs = sorted(rate(new, s) - rate(old, s) for s in ([rng.choice(idx) for _ in idx] for _ in range(reps)))
-    return rate(new, idx) - rate(old, idx), diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
+    a, b = np.asarray(new, np.float64), np.asarray(old, np.float64)
+
+    def diff(idx):
+        return (ratio_of_sums(a[:, 0], a[:, 1], idx, 1000.0) - ratio_of_sums(b[:, 0], b[:, 1], idx, 1000.0))
+
+    return estimate(diff, bootstrap_indices(len(new), reps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,14 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         fin = next(e for e in ev if isinstance(e, Finished))
         rows.append([sum(isinstance(e, SnapshotEvent) for e in ev), fin.completion_tokens])
     print(f"{sum(r[0] for r in rows)} lookups / {sum(r[1] for r in rows)} tokens = "
-          f"{rate(rows, list(range(len(rows)))):.1f} per 1,000 tokens ({len(rows)} prompts)")
+          f"{rate(rows):.1f} per 1,000 tokens ({len(rows)} prompts)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f)
     if a.against:
         with open(a.against) as f:
-            d, lo, hi = compare(rows, json.load(f))
-        print(f"difference against {a.against}: {d:+.1f} per 1,000 tokens [95% CI {lo:+.1f}, {hi:+.1f}]")
+            d = compare(rows, json.load(f))
+        print(f"difference against {a.against}: {d['value']:+.1f} per 1,000 tokens "
+              f"[95% CI {d['ci_lo']:+.1f}, {d['ci_hi']:+.1f}]")
     return 0
 
 
