@@ -31,11 +31,13 @@ ENV_VARS = (
      "torch`; the int8 GEMV, torch's instead; the anchor search's IVF pass, in torch operators)."),
     ("SFCL_INT4_KERNEL", "`sfcl.model.quant.int4_kernel`",
      "Which GEMV int4 weights run on: `auto` (default; SFCL's int4 x int8 kernel where SFCL's kernels load, "
-     "except where torch runs AVX-512 code on a CPU with AMX: torch's there), `sfcl`, or `torch`."),
+     "except where torch runs AVX-512 code on a CPU with AMX: torch's there), `sfcl`, or `torch` (any case; "
+     "another value stops `sfcl serve` before the model loads)."),
     ("SFCL_INT8_KERNEL", "`sfcl.model.quant.int8_kernel`",
      "Which GEMV int8 weights (the default formats' `lm_head`) run on: `auto` (default; `q8`, SFCL's int8 x "
      "int8 kernel on activations quantised per block of 32, by `SFCL_INT4_KERNEL`'s `auto` rule, else `bf16`), "
-     "`q8`, or `bf16` (bf16 activations; SFCL's int8 GEMV once its kernels load, else torch's)."),
+     "`q8`, or `bf16` (bf16 activations; SFCL's int8 GEMV once its kernels load, else torch's). Read as "
+     "`SFCL_INT4_KERNEL` is."),
     ("SFCL_KERNEL_CACHE", "`sfcl.model.decode_kernel.cache_root`",
      "Where the kernel is compiled and cached (default `<cache dir>/kernels`, one folder per source, "
      "flags, torch version and CPU-flags hash)."),

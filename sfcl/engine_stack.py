@@ -30,7 +30,7 @@ from sfcl.model import decode_kernel
 from sfcl.model.hardware import WeightChoice, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
-from sfcl.model.quant import pack_dense_weights, quantize_weights
+from sfcl.model.quant import check_kernel_variables, pack_dense_weights, quantize_weights
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.grounding import Grounding
@@ -44,7 +44,8 @@ def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "c
     """Put ``lm``'s weights in the format ``sfcl serve`` runs them in, in place: ``--weight-quant``
     resolved for its dtype and ``device`` (``sfcl.model.hardware.resolve_weight_format``), the model
     quantized (``quantize_weights``) and, with ``pack_dense`` (the server's unless ``--compile``), its
-    dense bf16 weights packed for oneDNN (``pack_dense_weights``). The profiling scripts call it to
+    dense bf16 weights packed for oneDNN (``pack_dense_weights``: the quantized formats' dense copies,
+    and under ``none`` every projection and the lm_head). The profiling scripts call it to
     measure the served model. Returns the choice and how many weights were packed."""
     wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
     quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
@@ -246,10 +247,12 @@ def engine_threads(threads: int | None, prefill_threads: int | None, cores: int 
 
 
 def build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, progress: bool = True) -> Built:
-    """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError.
+    """Load everything and start the engine thread. Raises ModelLoadError / AnchorLibraryError, and
+    ValueError for a bad ``$SFCL_INT4_KERNEL`` / ``$SFCL_INT8_KERNEL`` before anything loads.
     Sets the host allocator's thresholds first (``sfcl.engine.host_memory``). The loading (on all
     cores) runs on a thread that exits before this returns, so that no OpenMP pool but the engine
     thread's outlives it (``sfcl.engine.threads``: a leftover pool slowed every prompt chunk)."""
+    check_kernel_variables()
     return run_on_scratch_thread(_build_engine, mcfg, ecfg, scfg, progress, name="sfcl-load")
 
 
@@ -269,10 +272,10 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}")
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
-        _, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
+        wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
         if n_packed:
-            tagged_log("ENGINE", f"{n_packed} dense bf16 weights packed for oneDNN (prompt chunks and batches "
-                                 f"above the packed kernels' rows)")
+            used = "every product" if wq.mode == "none" else "prompt chunks and batches above the packed kernels' rows"
+            tagged_log("ENGINE", f"{n_packed} dense bf16 weights packed for oneDNN ({used})")
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

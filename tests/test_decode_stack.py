@@ -196,20 +196,30 @@ def test_a_weight_swap_frees_the_weights_the_cache_held(kernel):
 
 
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
-@pytest.mark.parametrize("B", [1, 8])  # 8 > max_rows: the dense weights
-def test_dense_weights_packed_for_onednn_change_no_step(kernel, B):
+@pytest.mark.parametrize("weights", ["int4", "none"])
+@pytest.mark.parametrize("B", [1, 8])  # 8 > max_rows: int4's dense weights
+def test_dense_weights_packed_for_onednn_change_no_step(kernel, B, weights):
     """``quant.pack_dense_weights``: a bf16 decode step gives the logits, tap state and K/V of the plain
     dense weights, in the fused layers (``decode_layers``' boxed call of ``mkldnn::_linear_pointwise``)
     and in the Python forward: to bf16 rounding (oneDNN may pick another kernel for the packed
-    weight; on the Intel Xeon with AMX of 2026-12-07 they agreed bit for bit)."""
+    weight; on the Intel Xeon with AMX of 2026-12-07 they agreed bit for bit). Under ``none`` the
+    plain ``nn.Linear`` projections and lm_head become ``PackedLinear``s, which ``decode_layers`` takes
+    as dense weights."""
     plain = _tiny(attention_bias=True).to(torch.bfloat16)
-    quantize_weights(plain, "int4")
+    quantize_weights(plain, weights)
     packed = copy.deepcopy(plain)
     assert decode_stack.layer_args(packed, B) is not None  # cached before the packing: must not be reused
-    assert quant.pack_dense_weights(packed) == 9  # 4 projections x 2 layers and the (int8) lm_head
-    assert all(q.dense_weight.is_mkldnn for q in packed.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
-    kinds = decode_stack.layer_args(packed, B).kinds
-    assert kinds == ([decode_stack.KIND_DENSE] * 8 if B > quant.DEFAULT_MAX_ROWS["int4"] else kinds)
+    assert quant.pack_dense_weights(packed) == 9  # 4 projections x 2 layers and the lm_head (int8 under int4)
+    if weights == "none":
+        assert all(isinstance(blk.mlp.down_proj, quant.PackedLinear) for blk in packed.layers)
+        assert isinstance(packed.lm_head, quant.PackedLinear)
+        la = decode_stack.layer_args(packed, B)
+        assert la.kinds == [decode_stack.KIND_DENSE] * 8 and all(w.is_mkldnn for w in la.weights)
+        assert quant.pack_dense_weights(packed) == 0  # nothing left to pack
+    else:
+        assert all(q.dense_weight.is_mkldnn for q in packed.modules() if isinstance(q, QuantLinear) and q.mode == "int4")
+        kinds = decode_stack.layer_args(packed, B).kinds
+        assert kinds == ([decode_stack.KIND_DENSE] * 8 if B > quant.DEFAULT_MAX_ROWS["int4"] else kinds)
     prompts = [[5 + i, 6, 7, 8 + i, 9][: 3 + i % 3] for i in range(B)]
     nxt = [1 + i for i in range(B)]
     ref, got = _both_ways(plain, plain.a, torch.bfloat16, prompts, nxt, 1), \

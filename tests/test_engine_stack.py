@@ -62,3 +62,22 @@ def test_build_engine_loads_the_kernels_from_its_cache_dir_before_the_library(mo
     with pytest.raises(AnchorLibraryError, match="stop here"):
         stack.build_engine(ModelConfig(device="cpu"), EngineConfig(), SnapshotConfig(cache_dir=tmp_path), progress=False)
     assert calls == [tmp_path, "anchors"]
+
+
+@pytest.mark.parametrize("variable", ["SFCL_INT4_KERNEL", "SFCL_INT8_KERNEL"])
+def test_build_engine_refuses_a_bad_kernel_variable_before_loading(monkeypatch, tmp_path, variable):
+    """A bad ``$SFCL_INT4_KERNEL`` / ``$SFCL_INT8_KERNEL`` stops the start with a ValueError naming the
+    variable before the model loads (it used to surface after the model and library had loaded);
+    values are read case-insensitively."""
+    import sfcl.engine_stack as stack
+    from sfcl.config import EngineConfig, ModelConfig
+
+    loaded = []
+    monkeypatch.setattr(stack, "load_model", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(RuntimeError("loaded")))
+    monkeypatch.setenv(variable, "fast")
+    with pytest.raises(ValueError, match=variable):
+        stack.build_engine(ModelConfig(device="cpu"), EngineConfig(), SnapshotConfig(cache_dir=tmp_path), progress=False)
+    assert loaded == []
+    monkeypatch.setenv(variable, " AUTO ")
+    with pytest.raises(RuntimeError, match="loaded"):  # accepted: the start goes on to the model
+        stack.build_engine(ModelConfig(device="cpu"), EngineConfig(), SnapshotConfig(cache_dir=tmp_path), progress=False)

@@ -116,7 +116,7 @@ def test_quant_linear_runs_it_where_chosen(kernel, monkeypatch):
     assert torch.equal(ql.dequantized_weight(), quant._int4_kernel_weight(q, ql.scales_and_zeros).to(torch.bfloat16))
     x3 = torch.randn(3, 128)
     torch.testing.assert_close(ql(x3), torch.nn.functional.linear(x3, ql.dense_weight, lin.bias))
-    monkeypatch.setenv("SFCL_INT4_KERNEL", "torch")
+    monkeypatch.setenv("SFCL_INT4_KERNEL", " Torch ")  # read case-insensitively
     assert QuantLinear.from_linear(lin, "int4", max_rows=2).kernel == "torch"
     monkeypatch.setenv("SFCL_INT4_KERNEL", "fast")
     with pytest.raises(ValueError, match="SFCL_INT4_KERNEL"):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import contractnli_docs
+from conftest import contractnli_docs, tiny_llama
 from torch import nn
 
 from sfcl.model import decode_kernel, quant
@@ -585,3 +585,52 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
     others = torch.nn.Sequential(QuantLinear.from_linear(lin, "int4", 4, dense="dequant"),
                                  QuantLinear.from_linear(torch.nn.Linear(96, 64), "int4", 4))  # float32
     assert quant.pack_dense_weights(others) == 0 and not others[1].dense_weight.is_mkldnn
+
+
+@pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
+def test_plain_bf16_linears_become_packed_linears_with_the_same_products():
+    """``pack_dense_weights`` puts a ``PackedLinear`` in place of each plain bf16 ``nn.Linear`` child
+    (``--weight-quant none``): the products of the plain layer (to bf16 rounding) at 1-300 rows and
+    on 3-d input, with and without a bias; float32 layers stay; ``weight_bytes`` counts the packed
+    weight; a deepcopy packs again; ``quantize_weights`` after the packing quantizes the plain weight
+    (``to_linear``), as it would have before; a float32 weight is refused."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = torch.nn.Linear(96, 64, bias=bias).to(torch.bfloat16)
+        m = torch.nn.Sequential(copy.deepcopy(lin), torch.nn.Linear(96, 64))  # the second stays float32
+        before = quant.weights_version(m)
+        assert quant.pack_dense_weights(m) == 1 and quant.weights_version(m) == before + 1
+        packed = m[0]
+        assert isinstance(packed, quant.PackedLinear) and packed.weight.is_mkldnn
+        assert type(m[1]) is torch.nn.Linear
+        assert torch.equal(packed.plain_weight(), lin.weight)
+        assert not any(t.is_mkldnn for t in m.parameters())  # the packed weight is not a parameter
+        for rows in (1, 5, 16, 40, 300):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            torch.testing.assert_close(packed(x), lin(x), msg=f"{rows} rows")
+        x3 = torch.randn(2, 3, 96).to(torch.bfloat16)
+        assert packed(x3).shape == (2, 3, 64)
+        torch.testing.assert_close(packed(x3), lin(x3))
+        copied = copy.deepcopy(packed)
+        assert copied.weight.is_mkldnn and torch.equal(copied(x3), packed(x3))
+        back = packed.to_linear()
+        assert type(back) is torch.nn.Linear and torch.equal(back(x3), lin(x3))
+    with pytest.raises(ValueError, match="bf16 CPU"):
+        quant.PackedLinear(torch.randn(4, 8), None)
+
+
+@pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
+def test_quantize_after_packing_quantizes_the_plain_weights():
+    """A model packed under ``none`` and then quantized gets the ``QuantLinear``s the plain model would
+    (same codes), and ``weight_bytes`` counts a packed bf16 projection like a plain one (an untied
+    lm_head here: a tied one gets a packed copy, no longer the embedding's memory)."""
+    plain = tiny_llama()[1].to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert quant.pack_dense_weights(packed) == 9  # 4 projections x 2 layers and the lm_head
+    assert quant.weight_bytes(packed) == quant.weight_bytes(plain)
+    quantize_weights(plain, "int8")
+    quantize_weights(packed, "int8")
+    for a, b in zip(plain.modules(), packed.modules()):
+        assert type(a) is type(b)
+        if isinstance(a, QuantLinear):
+            assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)

@@ -61,7 +61,7 @@ def _projection(lin: nn.Module, rows: int) -> tuple[int, torch.Tensor, torch.Ten
         if path == "dense":
             return KIND_DENSE, lin.dense_weight, _EMPTY, lin.bias
         return None  # fp16 / dequant dense paths
-    if type(lin) is nn.Linear:
+    if type(lin) is nn.Linear or isinstance(lin, quant.PackedLinear):  # plain, or packed for oneDNN
         return KIND_DENSE, lin.weight, _EMPTY, lin.bias
     return None  # Fp16Linear and anything else
 

@@ -257,13 +257,32 @@ def _integer_activations() -> bool:
     return decode_kernel.load()
 
 
-def _gemv_choice(variable: str, choices: tuple[str, ...], integer: str, other: str) -> str:
-    """``$variable`` (one of ``choices``; ``auto`` when unset) -> ``integer`` (SFCL's kernel on int8
-    activations: asked for, or ``auto`` and ``_integer_activations``, and the kernels load) or
-    ``other``. Raises ValueError for a value not in ``choices``."""
-    want = os.environ.get(variable, "auto")
-    if want not in choices:
-        raise ValueError(f"{variable} must be one of {', '.join(choices)}, got {want!r}")
+KERNEL_VARIABLES = {"SFCL_INT4_KERNEL": INT4_KERNELS, "SFCL_INT8_KERNEL": INT8_KERNELS}
+
+
+def kernel_variable(variable: str) -> str:
+    """``$SFCL_INT4_KERNEL`` or ``$SFCL_INT8_KERNEL`` as a value of ``KERNEL_VARIABLES[variable]``: read
+    case-insensitively and stripped, ``auto`` when unset or empty. Raises ValueError for another value
+    (``check_kernel_variables`` raises it before a model loads)."""
+    want = os.environ.get(variable, "").strip().lower() or "auto"
+    if want not in KERNEL_VARIABLES[variable]:
+        raise ValueError(f"{variable} must be one of {', '.join(KERNEL_VARIABLES[variable])}, "
+                         f"got {os.environ[variable]!r}")
+    return want
+
+
+def check_kernel_variables() -> None:
+    """Raise ValueError now for a bad ``$SFCL_INT4_KERNEL`` / ``$SFCL_INT8_KERNEL``, rather than when the
+    first weights are quantized (after the model and the anchor library have loaded)."""
+    for variable in KERNEL_VARIABLES:
+        kernel_variable(variable)
+
+
+def _gemv_choice(variable: str, integer: str, other: str) -> str:
+    """``$variable`` (``kernel_variable``) -> ``integer`` (SFCL's kernel on int8 activations: asked for,
+    or ``auto`` and ``_integer_activations``, and the kernels load) or ``other``. Raises ValueError for
+    a value the variable does not take."""
+    want = kernel_variable(variable)
     if want == other or (want == "auto" and not _integer_activations()):
         return other
     return integer if decode_kernel.load() else other
@@ -276,7 +295,7 @@ def int4_kernel() -> str:
     (default): SFCL's where SFCL's native kernels load, except on AVX-512 code with AMX
     (``_integer_activations``: the measurements), else torch's. Raises ValueError for another value
     of the variable."""
-    return _gemv_choice("SFCL_INT4_KERNEL", INT4_KERNELS, "sfcl", "torch")
+    return _gemv_choice("SFCL_INT4_KERNEL", "sfcl", "torch")
 
 
 def int8_kernel() -> str:
@@ -287,7 +306,7 @@ def int8_kernel() -> str:
     the codes to float made the lm_head's GEMV compute-bound, 1.49 against 1.13 ms after a 96 MB copy,
     ``scripts/profile_int8_linear.py``), else ``bf16``. Raises ValueError for another value of the
     variable."""
-    return _gemv_choice("SFCL_INT8_KERNEL", INT8_KERNELS, "q8", "bf16")
+    return _gemv_choice("SFCL_INT8_KERNEL", "q8", "bf16")
 
 
 def int4_q8_layout(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,14 +551,17 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
             return Fp16Linear(lin.weight.data, lin.bias)
         return QuantLinear.from_linear(lin, kind, cut, dense)
 
+    def plain(lin: nn.Module | None) -> nn.Linear | None:  # a PackedLinear (pack_dense_weights) as it was
+        return lin.to_linear() if isinstance(lin, PackedLinear) else lin if isinstance(lin, nn.Linear) else None
+
     for blk in model.layers:
         for parent in (blk.self_attn, blk.mlp):
             for name in PROJECTIONS:
-                lin = getattr(parent, name, None)
-                if isinstance(lin, nn.Linear):
+                lin = plain(getattr(parent, name, None))
+                if lin is not None:
                     setattr(parent, name, swap(lin, mode, rows))
-    if head != "none" and isinstance(model.lm_head, nn.Linear):
-        model.lm_head = swap(model.lm_head, head, head_rows)
+    if head != "none" and (lin := plain(model.lm_head)) is not None:
+        model.lm_head = swap(lin, head, head_rows)
     _new_weights(model)
     return model
 
@@ -580,10 +602,74 @@ def dense_packing_available() -> bool:
         return False
 
 
+class PackedLinear(nn.Module):
+    """``y = x W^T (+ b)`` with a bf16 W held in oneDNN's packed layout (``packed_weight``): what
+    ``pack_dense_weights`` puts in place of a plain bf16 ``nn.Linear`` (every projection under
+    ``--weight-quant none``, a ``lm_head`` left unquantized). ``weight`` is the opaque MkldnnCPU
+    tensor (not a parameter: it has no storage, so ``state_dict`` and ``parameters`` leave it out);
+    ``plain_weight`` reads it back. ``sfcl.model.decode_stack`` hands it to ``decode_layers`` as a
+    dense weight; code that needs a plain ``nn.Linear`` (the anchor model pass's fused ``addmm_``)
+    takes the module's ``forward`` instead.
+
+    x (..., K) bf16 -> y (..., N) bf16 (``packed_linear``: ``torch.ops.mkldnn._linear_pointwise``).
+    Raises ValueError for a weight that is not bf16 on the CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear packs bf16 CPU weights, got {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.weight = packed_weight(weight.detach())  # (N, K), oneDNN's blocked layout
+        self.bias = bias  # shared with the source module (nn.Parameter or None)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "PackedLinear":
+        return cls(lin.weight.data, lin.bias)
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight as a plain (N, K) bf16 tensor (a copy)."""
+        return self.weight.to_dense()
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with this module's weight (a copy) and bias (shared)."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        dtype=torch.bfloat16, device="meta")
+        lin.weight = nn.Parameter(self.plain_weight(), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
+
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle: the packed weight (no storage to copy) travels plain."""
+        state = self.__dict__.copy()
+        state["weight"] = self.plain_weight()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.weight = packed_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return packed_linear(x, self.weight, self.bias)  # (M, N)
+        y = packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=oneDNN"
+
+
+def _packable(lin: nn.Module) -> bool:
+    """A plain ``nn.Linear`` whose weight ``PackedLinear`` takes (bf16, on the CPU)."""
+    return type(lin) is nn.Linear and lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu"
+
+
 def pack_dense_weights(model: nn.Module) -> int:
     """Hold every ``QuantLinear``'s kept bf16 dense weight (the path of batches above ``max_rows`` and of
-    prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), so that a
-    product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
+    prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), and put a
+    ``PackedLinear`` in place of every plain bf16 ``nn.Linear`` child (``--weight-quant none``'s
+    projections, an unquantized ``lm_head``; a ``lm_head`` tied to the embedding then holds a packed
+    copy of it, +V x H x 2 bytes), so that a product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
     into oneDNN's blocked layout on every call, which at a few dozen rows costs more than the product.
     The 4 x 30 block projections of SmolLM2-135M took 17.9 / 18.4 / 23.4 / 33.9 / 52-54 ms at 7 / 16 /
     40 / 128 / 256 rows with ``F.linear`` and 11.9 / 12.3 / 15.2 / 24.1 / 46-47 ms packed, the same products
@@ -598,11 +684,15 @@ def pack_dense_weights(model: nn.Module) -> int:
     if not dense_packing_available():
         return 0
     n = 0
-    for m in model.modules():
+    for m in list(model.modules()):
         w = getattr(m, "dense_weight", None) if isinstance(m, QuantLinear) else None
         if w is not None and not w.is_mkldnn and w.dtype == torch.bfloat16 and w.device.type == "cpu":
             m.dense_weight = packed_weight(w)
             n += 1
+        for name, child in list(m.named_children()):
+            if _packable(child):
+                setattr(m, name, PackedLinear.from_linear(child))
+                n += 1
     if n:
         _new_weights(model)
     return n
@@ -641,6 +731,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             out["packed"] += sum(b.numel() * b.element_size() for b in m.buffers())
             if m.dense_weight is not None and not shared(m.dense_weight):
                 out["dense"] += m.dense_weight.numel() * m.dense_weight.element_size()
-        elif isinstance(m, nn.Linear) and not shared(m.weight):
+        elif isinstance(m, (nn.Linear, PackedLinear)) and not shared(m.weight):
             out["dense"] += m.weight.numel() * m.weight.element_size()
     return out
