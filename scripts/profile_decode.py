@@ -2,7 +2,7 @@
 
 Usage: python scripts/profile_decode.py [--batch 1] [--length 200] [--weight-quant auto]
                                         [--threads 1] [--steps 100] [--profile] [--anchors DIR]
-                                        [--eager] [--pack-dense]
+                                        [--eager] [--pack-dense] [--dtype auto]
 
 Builds the engine as ``sfcl serve --compile`` does (default model, default anchor library),
 then calls the compiled decode step on dummy rows of B sequences attending to S cache
@@ -14,7 +14,7 @@ guard time ("TorchDynamo Cache Lookup") and the Python-wrapper time of
 (Inductor caches generated code under /tmp/torchinductor_$USER). ``--eager`` skips compiling:
 it times the eager step alone and, with ``--profile``, prints its operator table grouped by input
 shape (how the K/V copies of batched decode attention were found). ``--pack-dense`` (with ``--eager``)
-holds the dense bf16 weights in oneDNN's packed layout first, as ``sfcl serve`` does without
+holds the dense bf16 / float32 weights in oneDNN's packed layout first, as ``sfcl serve`` does without
 ``--compile`` (``sfcl.model.quant.pack_dense_weights``); run it with and without to compare.
 """
 
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true", help="print the torch.profiler operator table")
     ap.add_argument("--eager", action="store_true", help="no compile: time and profile the eager step only")
-    ap.add_argument("--pack-dense", action="store_true", help="with --eager: pack the dense bf16 weights for oneDNN")
+    ap.add_argument("--pack-dense", action="store_true", help="with --eager: pack the dense weights for oneDNN")
+    ap.add_argument("--dtype", default="auto", help="model dtype, as sfcl serve's --dtype (auto: this machine's)")
     a = ap.parse_args(argv)
 
     from sfcl.config import EngineConfig, ModelConfig, SnapshotConfig
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from sfcl.model.loader import load_model
 
     torch.set_num_threads(a.threads)
-    mcfg, scfg = ModelConfig(), SnapshotConfig(anchors=a.anchors)
+    mcfg, scfg = ModelConfig(dtype=a.dtype), SnapshotConfig(anchors=a.anchors)
     lm = load_model(mcfg.model, dtype=mcfg.dtype, device="cpu", cache_dir=scfg.cache_dir)
     lib = load_anchors(lm, scfg, False)
     if a.pack_dense and not a.eager:

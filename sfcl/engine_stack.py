@@ -44,7 +44,7 @@ def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "c
     """Put ``lm``'s weights in the format ``sfcl serve`` runs them in, in place: ``--weight-quant``
     resolved for its dtype and ``device`` (``sfcl.model.hardware.resolve_weight_format``), the model
     quantized (``quantize_weights``) and, with ``pack_dense`` (the server's unless ``--compile``), its
-    dense bf16 weights packed for oneDNN (``pack_dense_weights``: the quantized formats' dense copies,
+    dense bf16 / float32 weights packed for oneDNN (``pack_dense_weights``: the quantized formats' dense copies,
     and under ``none`` every projection and the lm_head). The profiling scripts call it to
     measure the served model. Returns the choice and how many weights were packed."""
     wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
@@ -275,7 +275,7 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
         if n_packed:
             used = "every product" if wq.mode == "none" else "prompt chunks and batches above the packed kernels' rows"
-            tagged_log("ENGINE", f"{n_packed} dense bf16 weights packed for oneDNN ({used})")
+            tagged_log("ENGINE", f"{n_packed} dense {lm.model.embed_tokens.weight.dtype} weights packed for oneDNN ({used})".replace("torch.", ""))
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

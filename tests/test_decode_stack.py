@@ -196,16 +196,18 @@ def test_a_weight_swap_frees_the_weights_the_cache_held(kernel):
 
 
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
-@pytest.mark.parametrize("weights", ["int4", "none"])
+@pytest.mark.parametrize("weights,dtype", [("int4", torch.bfloat16), ("none", torch.bfloat16), ("none", torch.float32)])
 @pytest.mark.parametrize("B", [1, 8])  # 8 > max_rows: int4's dense weights
-def test_dense_weights_packed_for_onednn_change_no_step(kernel, B, weights):
-    """``quant.pack_dense_weights``: a bf16 decode step gives the logits, tap state and K/V of the plain
-    dense weights, in the fused layers (``decode_layers``' boxed call of ``mkldnn::_linear_pointwise``)
-    and in the Python forward: to bf16 rounding (oneDNN may pick another kernel for the packed
-    weight; on the Intel Xeon with AMX of 2026-12-07 they agreed bit for bit). Under ``none`` the
+def test_dense_weights_packed_for_onednn_change_no_step(kernel, B, weights, dtype):
+    """``quant.pack_dense_weights``: a bf16 (and, under ``none``, a float32) decode step gives the logits,
+    tap state and K/V of the plain dense weights, in the fused layers (``decode_layers``' boxed call of ``mkldnn::_linear_pointwise``)
+    and in the Python forward: to the dtype's rounding (oneDNN may pick another kernel for the packed
+    weight; in bf16 on the Intel Xeon with AMX of 2026-12-07 they agreed bit for bit). Under ``none`` the
     plain ``nn.Linear`` projections and lm_head become ``PackedLinear``s, which ``decode_layers`` takes
     as dense weights."""
-    plain = _tiny(attention_bias=True).to(torch.bfloat16)
+    if not quant.dense_packing_available(dtype):
+        pytest.skip(f"this torch build does not pack {dtype} weights for oneDNN")
+    plain = _tiny(attention_bias=True).to(dtype)
     quantize_weights(plain, weights)
     packed = copy.deepcopy(plain)
     assert decode_stack.layer_args(packed, B) is not None  # cached before the packing: must not be reused
@@ -222,15 +224,15 @@ def test_dense_weights_packed_for_onednn_change_no_step(kernel, B, weights):
         assert kinds == ([decode_stack.KIND_DENSE] * 8 if B > quant.DEFAULT_MAX_ROWS["int4"] else kinds)
     prompts = [[5 + i, 6, 7, 8 + i, 9][: 3 + i % 3] for i in range(B)]
     nxt = [1 + i for i in range(B)]
-    ref, got = _both_ways(plain, plain.a, torch.bfloat16, prompts, nxt, 1), \
-        _both_ways(packed, packed.a, torch.bfloat16, prompts, nxt, 1)
+    ref, got = _both_ways(plain, plain.a, dtype, prompts, nxt, 1), _both_ways(packed, packed.a, dtype, prompts, nxt, 1)
+    tol = {} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}  # float32: MKL and oneDNN sum apart
     for fused in (False, True):
         (s0, kv0), (s1, kv1) = ref[fused], got[fused]
         spread = float(s0.logits.std())
         torch.testing.assert_close(s1.logits, s0.logits, rtol=0.02, atol=0.02 * spread)
-        torch.testing.assert_close(s1.tap_hidden, s0.tap_hidden)  # bf16 tolerances
+        torch.testing.assert_close(s1.tap_hidden, s0.tap_hidden, **tol)
         for a, b in zip(kv1.k + kv1.v, kv0.k + kv0.v):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, **tol)
 
 
 def test_steps_with_prompt_chunks_or_groups_do_not_apply():

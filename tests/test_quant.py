@@ -583,21 +583,24 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
     x = torch.randn(9, 96).to(torch.bfloat16)
     assert torch.equal(copied[0](x), packed(x)) and packed.dense_weight.is_mkldnn
     others = torch.nn.Sequential(QuantLinear.from_linear(lin, "int4", 4, dense="dequant"),
-                                 QuantLinear.from_linear(torch.nn.Linear(96, 64), "int4", 4))  # float32
+                                 QuantLinear.from_linear(torch.nn.Linear(96, 64).half(), "int4", 4))  # fp16
     assert quant.pack_dense_weights(others) == 0 and not others[1].dense_weight.is_mkldnn
 
 
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")
-def test_plain_bf16_linears_become_packed_linears_with_the_same_products():
-    """``pack_dense_weights`` puts a ``PackedLinear`` in place of each plain bf16 ``nn.Linear`` child
-    (``--weight-quant none``): the products of the plain layer (to bf16 rounding) at 1-300 rows and
-    on 3-d input, with and without a bias; float32 layers stay; ``weight_bytes`` counts the packed
-    weight; a deepcopy packs again; ``quantize_weights`` after the packing quantizes the plain weight
-    (``to_linear``), as it would have before; a float32 weight is refused."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_linears_become_packed_linears_with_the_same_products(dtype):
+    """``pack_dense_weights`` puts a ``PackedLinear`` in place of each plain bf16 / float32 ``nn.Linear``
+    child (``--weight-quant none``): the products of the plain layer (to the dtype's rounding: float32's
+    ``F.linear`` runs MKL, which sums in another order) at 1-300 rows and on 3-d input, with and
+    without a bias; fp16 layers stay; a deepcopy packs again; ``to_linear`` gives the plain layer
+    back; an fp16 weight is refused."""
+    if not quant.dense_packing_available(dtype):
+        pytest.skip(f"this torch build does not pack {dtype} weights for oneDNN")
     torch.manual_seed(0)
     for bias in (True, False):
-        lin = torch.nn.Linear(96, 64, bias=bias).to(torch.bfloat16)
-        m = torch.nn.Sequential(copy.deepcopy(lin), torch.nn.Linear(96, 64))  # the second stays float32
+        lin = torch.nn.Linear(96, 64, bias=bias).to(dtype)
+        m = torch.nn.Sequential(copy.deepcopy(lin), torch.nn.Linear(96, 64).half())  # the second stays
         before = quant.weights_version(m)
         assert quant.pack_dense_weights(m) == 1 and quant.weights_version(m) == before + 1
         packed = m[0]
@@ -606,17 +609,17 @@ def test_plain_bf16_linears_become_packed_linears_with_the_same_products():
         assert torch.equal(packed.plain_weight(), lin.weight)
         assert not any(t.is_mkldnn for t in m.parameters())  # the packed weight is not a parameter
         for rows in (1, 5, 16, 40, 300):
-            x = torch.randn(rows, 96).to(torch.bfloat16)
+            x = torch.randn(rows, 96).to(dtype)
             torch.testing.assert_close(packed(x), lin(x), msg=f"{rows} rows")
-        x3 = torch.randn(2, 3, 96).to(torch.bfloat16)
+        x3 = torch.randn(2, 3, 96).to(dtype)
         assert packed(x3).shape == (2, 3, 64)
         torch.testing.assert_close(packed(x3), lin(x3))
         copied = copy.deepcopy(packed)
         assert copied.weight.is_mkldnn and torch.equal(copied(x3), packed(x3))
         back = packed.to_linear()
-        assert type(back) is torch.nn.Linear and torch.equal(back(x3), lin(x3))
-    with pytest.raises(ValueError, match="bf16 CPU"):
-        quant.PackedLinear(torch.randn(4, 8), None)
+        assert type(back) is torch.nn.Linear and back.weight.dtype == dtype and torch.equal(back.weight, lin.weight)
+    with pytest.raises(ValueError, match="bf16 or float32 CPU"):
+        quant.PackedLinear(torch.randn(4, 8).half(), None)
 
 
 @pytest.mark.skipif(not quant.dense_packing_available(), reason="this torch build does not pack bf16 weights for oneDNN")

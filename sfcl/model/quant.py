@@ -572,10 +572,11 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
 # their elements (bf16, torch 2.13, Intel Xeon with AMX, 2026-12-07; a hint of 1 gave other roundings from
 # 40 rows). On an AMD EPYC without AMX (Zen 4, AVX-512 BF16) they were equal bit for bit at 7-512 rows.
 PACK_BATCH_HINT = 512
+PACKED_DTYPES = (torch.bfloat16, torch.float32)  # the weight dtypes pack_dense_weights packs
 
 
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
-    """w (N, K) bf16 CPU -> the same weight in oneDNN's packed layout (an opaque MkldnnCPU tensor),
+    """w (N, K) bf16 or float32 CPU -> the same weight in oneDNN's packed layout (an opaque MkldnnCPU tensor),
     for ``packed_linear``."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
 
@@ -587,17 +588,22 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @functools.cache
-def dense_packing_available() -> bool:
-    """Whether this torch build packs bf16 linear weights for oneDNN (``torch.ops.mkldnn``'s
-    ``_reorder_linear_weight`` and ``_linear_pointwise``; x86 CPU wheels with oneDNN have them) and the
-    packed product equals ``F.linear``'s here, bit for bit (probed once on a small matrix)."""
-    if not torch._C._has_mkldnn or not torch.backends.mkldnn.is_available():
+def dense_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build packs linear weights of ``dtype`` (bf16 or float32) for oneDNN
+    (``torch.ops.mkldnn``'s ``_reorder_linear_weight`` and ``_linear_pointwise``; x86 CPU wheels with
+    oneDNN have them) and the packed product is ``F.linear``'s here (probed once on a small matrix):
+    bit for bit in bf16, where ``F.linear`` runs oneDNN too; in float32, where ``F.linear`` runs MKL's
+    sgemm and oneDNN sums in another order, within 1e-5 relative."""
+    if dtype not in PACKED_DTYPES or not torch._C._has_mkldnn or not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
-        x = torch.randn(24, 96, generator=g).to(torch.bfloat16)
-        return bool(torch.equal(packed_linear(x, packed_weight(w)), F.linear(x, w)))
+        w = torch.randn(64, 96, generator=g).to(dtype)
+        x = torch.randn(24, 96, generator=g).to(dtype)
+        got, want = packed_linear(x, packed_weight(w)), F.linear(x, w)
+        if dtype == torch.bfloat16:
+            return bool(torch.equal(got, want))
+        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
     except (RuntimeError, AttributeError):
         return False
 
@@ -616,8 +622,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"PackedLinear packs bf16 CPU weights, got {weight.dtype} on {weight.device}")
+        if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear packs bf16 or float32 CPU weights, got {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.weight = packed_weight(weight.detach())  # (N, K), oneDNN's blocked layout
         self.bias = bias  # shared with the source module (nn.Parameter or None)
@@ -633,7 +639,7 @@ class PackedLinear(nn.Module):
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with this module's weight (a copy) and bias (shared)."""
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        dtype=torch.bfloat16, device="meta")
+                        dtype=self.weight.dtype, device="meta")
         lin.weight = nn.Parameter(self.plain_weight(), requires_grad=False)
         if self.bias is not None:
             lin.bias = self.bias
@@ -659,17 +665,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=oneDNN"
 
 
-def _packable(lin: nn.Module) -> bool:
-    """A plain ``nn.Linear`` whose weight ``PackedLinear`` takes (bf16, on the CPU)."""
-    return type(lin) is nn.Linear and lin.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu"
+def _packable(w: torch.Tensor | None) -> bool:
+    """Whether ``pack_dense_weights`` packs ``w``: a plain CPU tensor of a dtype oneDNN packs here."""
+    return (w is not None and not w.is_mkldnn and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
+            and dense_packing_available(w.dtype))
 
 
 def pack_dense_weights(model: nn.Module) -> int:
-    """Hold every ``QuantLinear``'s kept bf16 dense weight (the path of batches above ``max_rows`` and of
-    prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), and put a
-    ``PackedLinear`` in place of every plain bf16 ``nn.Linear`` child (``--weight-quant none``'s
-    projections, an unquantized ``lm_head``; a ``lm_head`` tied to the embedding then holds a packed
-    copy of it, +V x H x 2 bytes), so that a product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
+    """Hold every ``QuantLinear``'s kept bf16 / float32 dense weight (the path of batches above ``max_rows``
+    and of prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), and put
+    a ``PackedLinear`` in place of every plain bf16 / float32 ``nn.Linear`` child (``--weight-quant
+    none``'s projections, an unquantized ``lm_head``; a ``lm_head`` tied to the embedding then holds a
+    packed copy of it, +V x H x 2 or 4 bytes), so that a product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
     into oneDNN's blocked layout on every call, which at a few dozen rows costs more than the product.
     The 4 x 30 block projections of SmolLM2-135M took 17.9 / 18.4 / 23.4 / 33.9 / 52-54 ms at 7 / 16 /
     40 / 128 / 256 rows with ``F.linear`` and 11.9 / 12.3 / 15.2 / 24.1 / 46-47 ms packed, the same products
@@ -680,17 +687,21 @@ def pack_dense_weights(model: nn.Module) -> int:
     scripts/profile_repeated_prefill.py [--plain-weights]``, ``python scripts/profile_decode.py --eager
     --batch 16 --length 300 --threads 2 [--pack-dense]``). Not for a model run under ``torch.compile``
     (Dynamo does not take oneDNN's opaque tensors: ``sfcl serve --compile`` leaves the weights plain).
-    Returns how many weights were packed (0 where ``dense_packing_available`` is false)."""
-    if not dense_packing_available():
-        return 0
+    float32 (``--dtype auto`` on AVX2 CPUs): torch's ``F.linear`` runs MKL's sgemm, which does not re-pack,
+    but oneDNN's packed product was faster still: a ``none`` decode step of 1 / 16 rows took 47.1-47.7 /
+    84-86 ms plain and 26.6-29.8 / 51-53 ms packed (AVX2 code paths of an AMD EPYC Zen 4, ``python
+    scripts/profile_decode.py --eager --weight-quant none --threads 2 --batch B [--pack-dense]``), its
+    products within float32 rounding of MKL's (another summation order); a row's product changed
+    with the batch's size (1-16 rows against 32) less often than with MKL's, but still for the
+    1,536-column ``down_proj`` between one row and 32.
+    Returns how many weights were packed (0 where ``dense_packing_available`` is false for their dtype)."""
     n = 0
     for m in list(model.modules()):
-        w = getattr(m, "dense_weight", None) if isinstance(m, QuantLinear) else None
-        if w is not None and not w.is_mkldnn and w.dtype == torch.bfloat16 and w.device.type == "cpu":
-            m.dense_weight = packed_weight(w)
+        if isinstance(m, QuantLinear) and _packable(m.dense_weight):
+            m.dense_weight = packed_weight(m.dense_weight)
             n += 1
         for name, child in list(m.named_children()):
-            if _packable(child):
+            if type(child) is nn.Linear and _packable(child.weight):
                 setattr(m, name, PackedLinear.from_linear(child))
                 n += 1
     if n:
