@@ -275,7 +275,8 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
         if n_packed:
             used = "every product" if wq.mode == "none" else "prompt chunks and batches above the packed kernels' rows"
-            tagged_log("ENGINE", f"{n_packed} dense {lm.model.embed_tokens.weight.dtype} weights packed for oneDNN ({used})".replace("torch.", ""))
+            dtype = str(lm.model.embed_tokens.weight.dtype).removeprefix("torch.")
+            tagged_log("ENGINE", f"{n_packed} dense {dtype} weights packed for oneDNN ({used})")
         torch.set_num_threads(decode_threads)  # --compile warms up its decode graphs here
         engine = make_llm_engine(lm, lib, ecfg, scfg, mcfg.device, decode_threads=decode_threads)
         max_len = engine.scheduler.cfg.max_model_len

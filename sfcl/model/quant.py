@@ -609,16 +609,17 @@ def dense_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T (+ b)`` with a bf16 W held in oneDNN's packed layout (``packed_weight``): what
-    ``pack_dense_weights`` puts in place of a plain bf16 ``nn.Linear`` (every projection under
+    """``y = x W^T (+ b)`` with a bf16 or float32 W held in oneDNN's packed layout (``packed_weight``):
+    what ``pack_dense_weights`` puts in place of a plain ``nn.Linear`` (every projection under
     ``--weight-quant none``, a ``lm_head`` left unquantized). ``weight`` is the opaque MkldnnCPU
     tensor (not a parameter: it has no storage, so ``state_dict`` and ``parameters`` leave it out);
     ``plain_weight`` reads it back. ``sfcl.model.decode_stack`` hands it to ``decode_layers`` as a
     dense weight; code that needs a plain ``nn.Linear`` (the anchor model pass's fused ``addmm_``)
     takes the module's ``forward`` instead.
 
-    x (..., K) bf16 -> y (..., N) bf16 (``packed_linear``: ``torch.ops.mkldnn._linear_pointwise``).
-    Raises ValueError for a weight that is not bf16 on the CPU."""
+    x (..., K) -> y (..., N), both in the weight's dtype (``packed_linear``:
+    ``torch.ops.mkldnn._linear_pointwise``). Raises ValueError for a weight that is not bf16 or float32
+    on the CPU."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -633,7 +634,7 @@ class PackedLinear(nn.Module):
         return cls(lin.weight.data, lin.bias)
 
     def plain_weight(self) -> torch.Tensor:
-        """The weight as a plain (N, K) bf16 tensor (a copy)."""
+        """The weight as a plain (N, K) tensor in its dtype (a copy)."""
         return self.weight.to_dense()
 
     def to_linear(self) -> nn.Linear:
@@ -676,8 +677,9 @@ def pack_dense_weights(model: nn.Module) -> int:
     and of prompt chunks) in oneDNN's packed layout, in place of the plain copy (no extra memory), and put
     a ``PackedLinear`` in place of every plain bf16 / float32 ``nn.Linear`` child (``--weight-quant
     none``'s projections, an unquantized ``lm_head``; a ``lm_head`` tied to the embedding then holds a
-    packed copy of it, +V x H x 2 or 4 bytes), so that a product no longer re-packs the weight first: torch's ``F.linear`` in bf16 reorders the whole weight
-    into oneDNN's blocked layout on every call, which at a few dozen rows costs more than the product.
+    packed copy of it, +V x H x 2 or 4 bytes), so that a product no longer re-packs the weight first:
+    torch's ``F.linear`` in bf16 reorders the whole weight into oneDNN's blocked layout on every call,
+    which at a few dozen rows costs more than the product.
     The 4 x 30 block projections of SmolLM2-135M took 17.9 / 18.4 / 23.4 / 33.9 / 52-54 ms at 7 / 16 /
     40 / 128 / 256 rows with ``F.linear`` and 11.9 / 12.3 / 15.2 / 24.1 / 46-47 ms packed, the same products
     bit for bit; at 512 rows 69 against 93-96 ms, some rounded differently (``python
