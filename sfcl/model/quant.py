@@ -668,8 +668,7 @@ class PackedLinear(nn.Module):
 
 def _packable(w: torch.Tensor | None) -> bool:
     """Whether ``pack_dense_weights`` packs ``w``: a plain CPU tensor of a dtype oneDNN packs here."""
-    return (w is not None and not w.is_mkldnn and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-            and dense_packing_available(w.dtype))
+    return w is not None and not w.is_mkldnn and w.device.type == "cpu" and dense_packing_available(w.dtype)
 
 
 def pack_dense_weights(model: nn.Module) -> int:
