@@ -2,14 +2,16 @@
 # The default server against llama.cpp's llama-server with both restricted to AVX2 code paths, on an
 # AVX-512 CPU: what can be measured of an AVX2-only machine without one (2026-12-05, thirteenth
 # session; docs/benchmarks.md). Not an AVX2-only machine: the cores, caches and memory are the
-# AVX-512 CPU's, and FBGEMM (SFCL's fp16 dense path above 3 decode rows and for prompts) picks its
-# kernels from the CPU's flags with no switch to restrict it, so it still runs AVX-512 code.
+# AVX-512 CPU's. Until 2026-12-07 (thirty-sixth session) FBGEMM (SFCL's fp16 dense path for prompts and
+# for decode batches above the int4 kernels' rows) still ran AVX-512 code here: it reads
+# FBGEMM_ENABLE_INSTRUCTIONS, set below (its fp16 GEMM then runs ~1.3x slower at 512 rows on a Zen 4).
 #
 #   bash scripts/avx2_emulated_bench.sh OUT_DIR [extra sfcl bench args]
 #
 # - torch: ATEN_CPU_CAPABILITY=avx2 (ATen's vectorised kernels), ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's
 #   GEMMs: bf16 then runs at ~3 GFLOP/s, so `--dtype auto` picks float32, as on an AVX2-only CPU),
-#   MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's float32 GEMMs);
+#   MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's float32 GEMMs), FBGEMM_ENABLE_INSTRUCTIONS=AVX2 (FBGEMM's fp16
+#   and int8 GEMMs);
 # - SFCL's kernels: SFCL_KERNEL_MARCH=haswell (a build of their own in the kernel cache);
 # - llama-server: built once from the llama-cpp-python sdist's vendored llama.cpp with
 #   GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C/BMI2 on and AVX-512 off (no zmm instruction in the binary),
@@ -39,7 +41,8 @@ if objdump -d "$bin" | grep -q '%zmm'; then
   echo "$bin uses AVX-512 registers: not an AVX2 build" >&2
   exit 1
 fi
-export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SFCL_KERNEL_MARCH=haswell
+export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 \
+  SFCL_KERNEL_MARCH=haswell
 # inductor's own cache for these runs: code it compiled under ATEN_CPU_CAPABILITY=avx2 and reused by a
 # native process corrupted that process's heap (2026-12-05, docs/benchmarks.md)
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_avx2_$(id -u)}

@@ -8,7 +8,8 @@ scheduler): which format ``sfcl.model.hardware.choose_weight_quant`` should pick
 A format is ``MODE[+DENSE][/HEAD]`` for ``sfcl.model.quant.quantize_weights(model, MODE, dense=DENSE,
 lm_head=HEAD)``: ``int4+fp16/fp16`` = int4 packed kernels for decode batches of <= max_rows rows,
 FBGEMM fp16 weights above, fp16 lm_head; ``FORMAT@N`` sets that format's max_rows to N (e.g.
-``int4/int8@0``: the packed kernels for no batch, the dense weights for all). Each batch size B runs ``LlamaModel.forward_step`` on B
+``int4/int8@0``: the packed kernels for no batch, the dense weights for all) and ``FORMAT@N:H`` also
+its lm_head's (``int4+fp16/int8@32:16``: the int8 lm_head's kernel for 1-16 rows). Each batch size B runs ``LlamaModel.forward_step`` on B
 decode rows attending to ``--length`` cache positions (``--prefill T``: one T-token prompt chunk),
 the formats in turn (ABAB...), ``--reps`` rounds; prints the median wall ms and thread CPU ms
 per step, and each format's ratio to the first. ``--pack-dense`` holds each model's dense bf16
@@ -66,15 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     env = {"torch": ("torch", "bf16"), "sfcl": ("sfcl", "q8")}
     saved = {k: os.environ.get(k) for k in ("SFCL_INT4_KERNEL", "SFCL_INT8_KERNEL")}
     for spec in a.formats.split(","):
-        body, _, rows = spec.partition("@")  # FORMAT@N: max_rows N for this format
+        body, _, cuts = spec.partition("@")  # FORMAT@N[:H]: max_rows N (and head_max_rows H) for this format
         mode, dense, head = parse_weight_format(body)
+        rows, _, head_rows = cuts.partition(":")
         max_rows = int(rows) if rows else a.max_rows
+        head_max_rows = int(head_rows) if head_rows else a.head_max_rows
         gemvs = [g for g in a.gemvs.split(",") if g] if (mode, head) != ("none", None) else []
         for g in gemvs or [None]:
             if g is not None:  # read by QuantLinear when it is built
                 os.environ["SFCL_INT4_KERNEL"], os.environ["SFCL_INT8_KERNEL"] = env[g]
             m = quantize_weights(copy.deepcopy(lm.model), mode, max_rows, dense=dense, lm_head=head,
-                                 head_max_rows=a.head_max_rows)
+                                 head_max_rows=head_max_rows)
             if a.pack_dense:
                 pack_dense_weights(m)
             models[spec if g is None else f"{spec}[{g}]"] = m

@@ -49,7 +49,7 @@ def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "c
     measure the served model. Returns the choice and how many weights were packed."""
     wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
     quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
-                     head_max_rows=wq.head_max_rows)
+                     head_max_rows=wq.head_max_rows, packed_prompts=wq.packed_prompts)
     return wq, (pack_dense_weights(lm.model) if pack_dense else 0)
 
 

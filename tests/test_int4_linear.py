@@ -40,7 +40,7 @@ def test_layout_round_trip_and_shapes():
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536), (8, 32)])
-@pytest.mark.parametrize("m", [1, 3, 7])
+@pytest.mark.parametrize("m", [1, 3, 7, 70])
 def test_error_against_float64_is_the_int8_activations(kernel, n, k, m):
     """Relative error of y against x @ W^T in float64 with the kernel's own weights (codes times bf16
     scales): what the int8 activations cost, ~6e-3 on Gaussian rows (torch's kernel, bf16
@@ -57,6 +57,20 @@ def test_error_against_float64_is_the_int8_activations(kernel, n, k, m):
     assert torch.ops.sfcl.int4_linear(x[:0], codes, s).shape == (0, n)
     zero_row = torch.ops.sfcl.int4_linear(torch.zeros(1, k), codes, s)
     assert torch.equal(zero_row, torch.zeros(1, n))  # no activation: no zero-point term either
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (24, 64)])
+def test_each_row_as_if_alone_across_row_tiles(kernel, n, k):
+    """A prompt chunk's hundreds of rows run in tiles of 32 (``kRowTile``): every row of a 1-97-row
+    product equals that row multiplied alone, bit for bit (its activations are quantised per row and
+    its sums run in the same order), so a row's result does not depend on its batch or on which tile
+    it lands in; a tile bound off by one would leave rows unwritten or mixed."""
+    q, sz, _ = _weights(n, k, seed=7)
+    codes, s = int4_q8_layout(q, sz)
+    x = torch.randn(97, k, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([torch.ops.sfcl.int4_linear(x[i:i + 1], codes, s) for i in range(97)])
+    for m in (31, 32, 33, 64, 65, 97):
+        assert torch.equal(torch.ops.sfcl.int4_linear(x[:m], codes, s), alone[:m]), m
 
 
 def test_tiny_huge_and_non_finite_activations(kernel):

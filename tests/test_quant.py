@@ -246,7 +246,7 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     # 5 decode steps x 4 block projections on int4, the head (int8) once per decode step
     assert calls["int4"] == 5 * 4 * n and calls["int8"] == 5
     # the prefill chunk: dense weights, M = prompt length, and its one sampled row's head too
-    # (prompt rows always dense: sfcl.model.quant.prompt_rows_dense)
+    # (prompt rows always dense: sfcl.model.quant.prompt_rows)
     assert calls["dense_rows"] == [len(ids)] * (4 * n) + [1]
     assert len(text.strip()) > 0
 
@@ -338,23 +338,25 @@ def test_weight_format_choice_follows_the_int4_kernel_that_runs(monkeypatch):
     from sfcl.model.hardware import WeightFormat, choose_weight_format
 
     fake = {"fp32_fbgemm": [WeightFormat("int4", "fp16", "int8", 32, 0.006, "sfcl kernel", int4_kernel="sfcl",
-                                         head_max_rows=3),
+                                         head_max_rows=3, packed_prompts=True),
                             WeightFormat("int4", "fp16", "int8", 3, 0.004, "torch kernel")]}
     monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
     monkeypatch.setattr("sfcl.model.quant.fp16_gemm_available", lambda: True)
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "sfcl")
     monkeypatch.setattr("sfcl.model.quant.int8_kernel", lambda: "q8")
     c = choose_weight_format("auto", torch.float32)
-    assert (c.max_rows, c.head_max_rows) == (32, 3) and "sfcl kernel" in c.reason
+    assert (c.max_rows, c.head_max_rows, c.packed_prompts) == (32, 3, True) and "sfcl kernel" in c.reason
     assert c.summary(torch.float32) == ("int4 block projections (SFCL's int4 x int8 GEMV) for decode batches of "
-                                        "1-32 rows, FBGEMM fp16 weights above and for prompt tokens; int8 lm_head "
-                                        "(SFCL's int8 x int8 GEMV) for 1-3 rows")
+                                        "1-32 rows, FBGEMM fp16 weights above, prompt tokens on the same kernels; "
+                                        "int8 lm_head (SFCL's int8 x int8 GEMV) for 1-3 rows")
     monkeypatch.setattr("sfcl.model.quant.int8_kernel", lambda: "bf16")  # the log says what runs, not the candidate
     assert "int8 lm_head (int8 GEMV on unquantised activations) for 1-3 rows" in c.summary(torch.float32)
     assert choose_weight_format("int4", torch.float32).max_rows == 32
+    assert choose_weight_format("int4", torch.float32).packed_prompts
     monkeypatch.setattr("sfcl.model.quant.int4_kernel", lambda: "torch")
     c = choose_weight_format("auto", torch.float32)
-    assert (c.max_rows, c.head_max_rows) == (3, None) and "torch kernel" in c.reason
+    assert (c.max_rows, c.head_max_rows, c.packed_prompts) == (3, None, False) and "torch kernel" in c.reason
+    assert "FBGEMM fp16 weights above and for prompt tokens" in c.summary(torch.float32)
 
 
 def test_lm_head_takes_its_own_packed_kernel_cut(lm):
@@ -390,21 +392,41 @@ def test_dense_path_multiplies_by_the_packed_kernels_weights(dtype, mode, dense)
     assert path_gap < quant_err / 3, (float(path_gap), float(quant_err))
 
 
-def test_prompt_rows_dense_sends_few_rows_to_the_dense_path():
+def test_prompt_rows_sends_few_rows_to_the_dense_path():
     """What the runner wraps steps that compute prompt tokens in: one row (a prompt's last token
     after a prefix-cache hit) takes the dense path, as the prompt computed whole would."""
-    from sfcl.model.quant import prompt_rows_dense
+    from sfcl.model.quant import prompt_rows
 
     lin = _linear(seed=5)
     q = QuantLinear.from_linear(lin, "int4", max_rows=2, dense="keep")
     x1 = _x(1)
     packed = _int4_packed(q, x1)
     assert torch.equal(q(x1), packed)
-    with prompt_rows_dense():
+    with prompt_rows():
         assert torch.equal(q(x1), F.linear(x1, q.dense_weight))
-        with prompt_rows_dense(False):  # inactive: no change, still dense from the outer one
+        with prompt_rows(False):  # inactive: no change, still dense from the outer one
             assert torch.equal(q(x1), F.linear(x1, q.dense_weight))
     assert torch.equal(q(x1), packed)  # restored on exit
+
+
+def test_packed_prompts_send_every_prompt_row_to_the_packed_kernel(lm):
+    """Quantized with ``packed_prompts`` (where the packed kernel beats the dense weights at a prompt
+    chunk's hundreds of rows), the block projections take it for prompt rows of any count, one row
+    included, and decode batches keep their max_rows cut; the lm_head keeps its dense prompt path."""
+    from sfcl.model.quant import prompt_rows
+
+    m = quantize_weights(copy.deepcopy(lm.model), "int4", max_rows=4, lm_head="int8", head_max_rows=3,
+                         packed_prompts=True)
+    down, head = m.layers[0].mlp.down_proj, m.lm_head
+    assert down.packed_prompts and not head.packed_prompts
+    assert (down.path(4), down.path(5), head.path(3), head.path(4)) == ("packed", "dense", "packed", "dense")
+    with prompt_rows():
+        assert (down.path(1), down.path(512), head.path(1)) == ("packed", "packed", "dense")
+        x = torch.randn(300, down.in_features, generator=torch.Generator().manual_seed(2)).to(down.dense_weight.dtype)
+        assert torch.equal(down(x), _int4_packed(down, x).to(x.dtype))  # the kernel itself, all 300 rows
+    plain = quantize_weights(copy.deepcopy(lm.model), "int4", max_rows=4)
+    with prompt_rows():
+        assert plain.layers[0].mlp.down_proj.path(1) == "dense"
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +577,7 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
     """``pack_dense_weights``: a ``QuantLinear``'s kept bf16 dense weight in oneDNN's packed layout gives
     the products of the plain one (to bf16 rounding: oneDNN may pick another kernel for it; on the
     Intel Xeon with AMX of 2026-12-07 they agreed bit for bit up to 256 rows) at row counts of its dense
-    path (and of a prompt chunk, under ``prompt_rows_dense``), with and without a bias; ``dense_matrix``
+    path (and of a prompt chunk, under ``prompt_rows``), with and without a bias; ``dense_matrix``
     still reads the plain weight; the model's weights version moves; other dense modes and float32
     weights stay as they are."""
     torch.manual_seed(0)
@@ -573,7 +595,7 @@ def test_dense_weights_packed_for_onednn_give_the_same_products():
         for rows in (1, 5, 7, 16, 40, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             torch.testing.assert_close(packed(x), plain(x), msg=f"{rows} rows")
-            with quant.prompt_rows_dense(True):
+            with quant.prompt_rows(True):
                 torch.testing.assert_close(packed(x), plain(x), msg=f"{rows} rows")
         x3 = torch.randn(2, 3, 96).to(torch.bfloat16)
         assert packed(x3).shape == (2, 3, 64)

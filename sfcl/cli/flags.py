@@ -71,9 +71,9 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-quant", default="auto", choices=["auto", "none", "fp16", "int8", "int4"],
                    help="weight format of the linear layers (CPU): auto (default) = the fastest format whose NDA "
                         "perplexity stays within 1%% on this machine kind, logged as [WEIGHTS] on stderr (AVX2 "
-                        "fp32: SFCL's int4 packed kernels for decode batches of 1-32 rows, FBGEMM fp16 weights "
-                        "above and for prompts, or 1-3 rows where SFCL's kernels cannot be built and torch's int4 "
-                        "kernel runs; native bf16: SFCL's int4 x int8 kernels for 1-8-row batches, or torch's "
+                        "fp32: SFCL's int4 packed kernels for decode batches of 1-32 rows and for prompts, FBGEMM "
+                        "fp16 weights above, or 1-3 rows and FBGEMM fp16 for prompts where SFCL's kernels cannot "
+                        "be built and torch's int4 kernel runs; native bf16: SFCL's int4 x int8 kernels for 1-8-row batches, or torch's "
                         "int4 kernel for 1-6 rows on a CPU with AMX, bf16 above); none = as loaded; fp16 = FBGEMM "
                         "fp16 weights; int8 "
                         "per-channel / int4 group-32 packed kernels for small batches")

@@ -42,7 +42,7 @@ from sfcl.engine.scheduler import SchedulerOutput, Sequence
 from sfcl.engine.threads import set_thread_count
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.llama import AttnBatch, ChunkSpec, LlamaModel, RowGroup, StepBatch
-from sfcl.model.quant import prompt_rows_dense
+from sfcl.model.quant import prompt_rows
 from sfcl.model.sampler import sample
 from sfcl.snapshot.context import ContextAnchors
 from sfcl.snapshot.grounding import Grounding, SteerRow
@@ -265,7 +265,7 @@ class ModelRunner:
             if self.compiled_decode is not None and not chunks:
                 so = self.compiled_decode(ids_t, step, self.tap_layer)
             else:
-                with prompt_rows_dense(bool(chunks)):  # prompt rows on the same kernels, cached or not
+                with prompt_rows(bool(chunks)):  # prompt rows on the same kernels, cached or not
                     so = self.model.forward_step(ids_t, step, self.kv, self.tap_layer)
             for ch, off in steer_chunks:  # context anchors (prefix-cached positions come back from their LRU)
                 self.context.add(ch.seq.request_id, ch.start, so.tap_states[off:off + ch.end - ch.start],

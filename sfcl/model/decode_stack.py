@@ -74,7 +74,7 @@ def layer_args(model, rows: int) -> LayerArgs | None:
     on the plain weights and then quantizes and packs them; the plain ones stayed resident (+~330 MiB
     RSS for the life of that server on the AMD EPYC, 2026-12-07, until this dropped them).
     Weak on the model: a copied model (deepcopy) starts without entries."""
-    cache, key = _cache.setdefault(model, {}), (rows, quant.dense_only())
+    cache, key = _cache.setdefault(model, {}), (rows, quant.in_prompt_rows())
     if key in cache:
         return cache[key]
     out: LayerArgs | None = None

@@ -212,6 +212,7 @@ class WeightChoice:
     max_rows: int | None  # largest batch (rows) on the packed int8 / int4 kernels (None: quant's default)
     reason: str  # one line for logs
     head_max_rows: int | None = None  # the same for a quantized lm_head (None: max_rows)
+    packed_prompts: bool = False  # prompt rows of the block projections on the packed kernel too
 
     @property
     def label(self) -> str:
@@ -235,11 +236,12 @@ class WeightChoice:
         head, rows, head_rows = resolved_cuts(self.mode, self.lm_head, self.max_rows, self.head_max_rows)
         above = {"keep": f"{str(dtype).removeprefix('torch.')} weights", "fp16": "FBGEMM fp16 weights",
                  "dequant": "weights dequantized per call"}[self.dense]
+        above += " above, prompt tokens on the same kernels" if self.packed_prompts else " above and for prompt tokens"
         gemv = {"int4": "SFCL's int4 x int8 GEMV" if int4_kernel() == "sfcl" else "torch's int4 GEMV",
                 "int8": "SFCL's int8 x int8 GEMV" if int8_kernel() == "q8" else "int8 GEMV on unquantised activations"}
         head_part = f"{head} lm_head" + (f" ({gemv[head]}) for 1-{head_rows} rows" if head in gemv else "")
         blocks = f"{self.mode} block projections" + (f" ({gemv[self.mode]})" if self.mode in gemv else "")
-        return f"{blocks} for decode batches of 1-{rows} rows, {above} above and for prompt tokens; {head_part}"
+        return f"{blocks} for decode batches of 1-{rows} rows, {above}; {head_part}"
 
 
 def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu") -> WeightChoice:
@@ -262,14 +264,16 @@ def choose_weight_format(requested: str, dtype: torch.dtype, device: str = "cpu"
     if requested == "auto":
         for f in formats:
             if f.ppl_change_ci_hi is not None and f.ppl_change_ci_hi <= QUALITY_BAR:
-                return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"{kind}: {f.why}", f.head_max_rows)
+                return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"{kind}: {f.why}", f.head_max_rows,
+                                    f.packed_prompts)
         return WeightChoice("none", "keep", None, None, f"{kind}: no measured faster format; weights as loaded")
     if requested == "none":
         return WeightChoice("none", "keep", None, None, "requested")
     same = [f for f in formats if f.mode == requested]
     if same:
         f = same[0]
-        return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"requested; {kind}: {f.why}", f.head_max_rows)
+        return WeightChoice(f.mode, f.dense, f.lm_head, f.max_rows, f"requested; {kind}: {f.why}", f.head_max_rows,
+                            f.packed_prompts)
     dense = "fp16" if kind == "fp32_fbgemm" else "keep"
     return WeightChoice(requested, dense, None, None, f"requested; {kind}: dense path {dense}")
 
@@ -286,6 +290,7 @@ class WeightFormat:
     why: str  # the measurement, with the command that reproduces it
     int4_kernel: str | None = None  # the candidate applies only where quant.int4_kernel() is this (None: any)
     head_max_rows: int | None = None  # largest batch on a quantized lm_head's packed kernel (None: max_rows)
+    packed_prompts: bool = False  # the block projections' prompt rows on the packed kernel (quantize_weights)
 
     def applies(self) -> bool:
         """Whether this machine runs the int4 kernel the candidate was measured with."""
@@ -320,6 +325,16 @@ class WeightFormat:
 #   (`python scripts/weight_quant_quality.py --docs 61 --tokens 512 --prompts 8 --modes int4`,
 #   SFCL_INT8_KERNEL = each in turn): +0.42% [+0.31, +0.54] against +0.39% [+0.30, +0.50] with bf16
 #   activations for the head.
+# - Prompt tokens on the int4 kernel too (packed_prompts; 2026-12-07, thirty-sixth session, AVX2 code
+#   paths of an AMD EPYC Zen 4 with FBGEMM held to AVX2 as well, FBGEMM_ENABLE_INSTRUCTIONS=AVX2, which
+#   the earlier measurements lacked): after SFCL's int4 kernel lost its per-row stack copy of the
+#   activations and gained row tiles, one 576 x 1,536 / 1,536 x 576 / 576 x 960 product at 512 rows ran
+#   1.19-1.37x faster than FBGEMM's fp16 GEMM (/tmp script, 2 threads), a 512-token prompt chunk's step
+#   0.82x (`python scripts/profile_weight_formats.py --formats int4+fp16/int8@32:3,int4+fp16/int8@4096:3
+#   --batches 16 --prefill 512 --threads 2 --kernels`) and a cold 3,600-token prefill 6.5-7.0 s against
+#   7.3-8.5 (`python scripts/profile_prefill.py --tokens 3600 --prompts 2`, alternating). The perplexity
+#   above was measured with every row on the packed kernels, prompts included. An int8 lm_head above 3
+#   rows stayed slower than the fp16 one with FBGEMM on AVX2 too (1.06-1.11x the step at 4-32 rows).
 #
 # bf16, measured 2026-12-04 on an AMD EPYC with AVX-512 BF16 (2 cores, 1 thread; quiet machine):
 # - int4 blocks (+ int8 lm_head) against bf16 weights: NDA perplexity +0.07% [95% CI -0.10, +0.23]
@@ -359,12 +374,13 @@ WEIGHT_FORMATS: dict[str, list[WeightFormat]] = {
     ],
     "fp32_fbgemm": [
         WeightFormat("int4", "fp16", "int8", 32, 0.0054,
-                     "SFCL's int4 x int8 kernels for 1-32-row decode batches (the int8 lm_head for 1-3 rows), FBGEMM "
-                     "fp16 weights above and for prompts (step 0.44x / 0.65x of fp16 weights at batch 1 / 16); NDA "
-                     "perplexity +0.42% [95% CI +0.31, +0.54] with the int8 lm_head on int8 activations too (recorded "
-                     "on AVX2 code paths of an Intel Xeon with scripts/weight_quant_quality.py and "
-                     "scripts/profile_weight_formats.py --kernels, not measured at start-up)",
-                     int4_kernel="sfcl", head_max_rows=3),
+                     "SFCL's int4 x int8 kernels for 1-32-row decode batches and for prompt tokens (the int8 lm_head "
+                     "for 1-3 rows), FBGEMM fp16 weights above (step 0.44x / 0.65x of fp16 weights at batch 1 / 16, a "
+                     "512-token prompt chunk 0.82x); NDA perplexity +0.42% [95% CI +0.31, +0.54] with every row on the "
+                     "int4 and int8 kernels (recorded on AVX2 code paths of an Intel Xeon with "
+                     "scripts/weight_quant_quality.py and scripts/profile_weight_formats.py --kernels, the prompt "
+                     "chunk on an AMD EPYC's, not measured at start-up)",
+                     int4_kernel="sfcl", head_max_rows=3, packed_prompts=True),
         WeightFormat("int4", "fp16", "int8", 3, 0.0038,
                      "int4 kernels for 1-3-row batches, FBGEMM fp16 weights above (step 0.56x / 0.58x of fp32 at "
                      "batch 1 / 16); NDA perplexity +0.33% [95% CI +0.26, +0.38] (recorded on an AVX2-only AMD EPYC with "

@@ -34,8 +34,9 @@ the 2-core AVX-512 CPU, one thread, synthetic weights of all SmolLM2-135M linear
 step, lm_head in the same mode: bf16 / int8 / int4
 = 11.4 / 4.6 / 4.1 ms at M=1, 15.6 / 13.4 / 11.4 at M=6, 13.7 / 14.8 / 13.0 at M=8, 20.6 / 29.5 /
 26.1 at M=16, 403 / 1259 / 970 at M=512). Rows M <= ``max_rows`` use the packed kernel (except
-inside ``prompt_rows_dense``: the engine's steps that compute prompt tokens); larger M use a dense
-matmul whose weight comes from
+inside ``prompt_rows``, the engine's steps that compute prompt tokens, where every row takes the
+packed kernel if the layer was quantized with ``packed_prompts`` and the dense path otherwise);
+larger M use a dense matmul whose weight comes from
 
 - ``dense="keep"`` (default): a copy in the model dtype of the weight the packed kernel
   multiplies by (its codes times its scales; +2 bytes/parameter in bf16, including a tied
@@ -84,28 +85,29 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 KERNEL_DTYPE = torch.bfloat16
 
 
-_dense_only = 0  # > 0 inside ``prompt_rows_dense``: every QuantLinear takes its dense path
+_prompt_rows = 0  # > 0 inside ``prompt_rows``: every QuantLinear takes its prompt path
 
 
 @contextlib.contextmanager
-def prompt_rows_dense(active: bool = True):
-    """Within (when ``active``): every ``QuantLinear`` multiplies densely, whatever its row count.
+def prompt_rows(active: bool = True):
+    """Within (when ``active``): every ``QuantLinear`` takes its prompt path, whatever its row count:
+    its dense weights, or the packed kernel where it was quantized with ``packed_prompts``.
 
     ``sfcl.engine.model_runner`` wraps the forwards that compute prompt tokens, so that a prompt's
     KV and first token come from the same kernels whether the prompt was computed whole (a chunk
-    of hundreds of rows: dense) or restored from the prefix cache with only its last token left
-    to compute (one row, which would otherwise take the packed kernel): the same request then
-    answers the same when asked again. Decode rows of such a step go dense too (one step per
-    admitted prompt). Not thread-safe: the thread that owns the model sets it."""
-    global _dense_only
+    of hundreds of rows) or restored from the prefix cache with only its last token left to
+    compute (one row, which would otherwise take the decode rows' path): the same request then
+    answers the same when asked again. Decode rows of such a step take the prompt path too (one
+    step per admitted prompt). Not thread-safe: the thread that owns the model sets it."""
+    global _prompt_rows
     if not active:
         yield
         return
-    _dense_only += 1
+    _prompt_rows += 1
     try:
         yield
     finally:
-        _dense_only -= 1
+        _prompt_rows -= 1
 
 
 # Callbacks run with the model whenever ``quantize_weights`` or ``pack_dense_weights`` swap its weights:
@@ -133,9 +135,9 @@ def _new_weights(model: nn.Module) -> None:
         fn(model)
 
 
-def dense_only() -> bool:
-    """Whether the caller is inside ``prompt_rows_dense`` (every ``QuantLinear`` multiplies densely)."""
-    return _dense_only > 0
+def in_prompt_rows() -> bool:
+    """Whether the caller is inside ``prompt_rows`` (every ``QuantLinear`` takes its prompt path)."""
+    return _prompt_rows > 0
 
 
 @functools.cache
@@ -366,13 +368,15 @@ class QuantLinear(nn.Module):
     x (..., K) in the model dtype -> y (..., N) in the same dtype. Built by ``from_linear``.
     """
 
-    def __init__(self, mode: str, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, dense: str):
+    def __init__(self, mode: str, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, dense: str,
+                 packed_prompts: bool = False):
         super().__init__()
         if mode not in ("int8", "int4"):
             raise ValueError(f"QuantLinear mode must be int8 or int4, got {mode!r}")
         if dense not in DENSE_MODES:
             raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
         self.mode, self.max_rows, self.dense = mode, int(max_rows), dense
+        self.packed_prompts = bool(packed_prompts)  # prompt rows (``prompt_rows``) on the packed kernel too
         self.out_features, self.in_features = weight.shape
         if mode == "int8" and self.in_features % INT8_K_MULTIPLE:
             # torch._weight_int8pack_mm's bf16 kernel segfaults for other K (found by a test)
@@ -406,8 +410,8 @@ class QuantLinear(nn.Module):
         # The dense path multiplies by the weights the packed kernel multiplies by (dequantized from
         # its codes and bf16 scales, (N, K) float32 before the copy's dtype), not by the original
         # ones: a token then gets the same logits, up to rounding, whether its row ran on the packed
-        # kernel (a decode batch of <= max_rows rows, a prompt's last token after a prefix-cache hit)
-        # or densely (a prompt chunk, a larger batch). With the original weights the two paths
+        # kernel (a decode batch of <= max_rows rows, prompt rows with ``packed_prompts``) or densely
+        # (a larger batch, prompt rows without it). With the original weights the two paths
         # differed by the quantization error, and greedy answers changed with load and cache state.
         # The rounding is not small where the packed kernel quantises the activations to int8
         # (``int4_kernel`` "sfcl", ``int8_kernel`` "q8"): ~0.6% relative error between the paths on a
@@ -417,8 +421,9 @@ class QuantLinear(nn.Module):
         self.dense_fp16 = Fp16Linear(kernel_w(), None) if dense == "fp16" else None  # bias added below
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep") -> "QuantLinear":
-        return cls(mode, lin.weight.data, lin.bias, max_rows, dense)
+    def from_linear(cls, lin: nn.Linear, mode: str, max_rows: int, dense: str = "keep",
+                    packed_prompts: bool = False) -> "QuantLinear":
+        return cls(mode, lin.weight.data, lin.bias, max_rows, dense, packed_prompts)
 
     def __getstate__(self) -> dict:
         """For copy.deepcopy and pickle: a dense weight packed by ``pack_dense_weights`` (oneDNN's opaque
@@ -457,9 +462,11 @@ class QuantLinear(nn.Module):
 
     def path(self, rows: int) -> str:
         """Which multiplication ``forward`` runs for ``rows`` input rows: ``packed`` (the int8 / int4
-        kernel), ``fp16`` (the ``Fp16Linear`` copy), ``dense`` (``F.linear`` with the kept copy)
-        or ``dequant`` (``F.linear`` with the weight dequantized for the call)."""
-        if rows <= self.max_rows and not _dense_only:
+        kernel: decode batches of <= max_rows rows, and within ``prompt_rows`` every row where the
+        layer was quantized with ``packed_prompts``), ``fp16`` (the ``Fp16Linear`` copy), ``dense``
+        (``F.linear`` with the kept copy) or ``dequant`` (``F.linear`` with the weight dequantized
+        for the call)."""
+        if self.packed_prompts if _prompt_rows else rows <= self.max_rows:
             return "packed"
         if self.dense_fp16 is not None:
             return "fp16"
@@ -496,7 +503,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
-                f"max_rows={self.max_rows}, dense={self.dense}")
+                f"max_rows={self.max_rows}, dense={self.dense}, packed_prompts={self.packed_prompts}")
 
 
 def resolved_cuts(mode: str, lm_head: str | None = None, max_rows: int | None = None,
@@ -509,7 +516,8 @@ def resolved_cuts(mode: str, lm_head: str | None = None, max_rows: int | None = 
 
 
 def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
-                     lm_head: str | None = None, head_max_rows: int | None = None) -> nn.Module:
+                     lm_head: str | None = None, head_max_rows: int | None = None,
+                     packed_prompts: bool = False) -> nn.Module:
     """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` / ``Fp16Linear`` in place;
     returns ``model``.
 
@@ -521,7 +529,9 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     for both integer modes, see below; fp16 for fp16). The embedding is not touched (a tied
     ``lm_head`` quantizes a copy of its values; its dense weight, like every dense weight, is the
     packed kernel's weight, so it no longer shares the embedding's memory). head_max_rows: max_rows
-    of a quantized ``lm_head`` (default: max_rows).
+    of a quantized ``lm_head`` (default: max_rows). packed_prompts: the block projections take the
+    packed kernel for prompt rows too (``prompt_rows``; the lm_head keeps its dense path there), where
+    that kernel is faster than the dense weights at a prompt chunk's hundreds of rows.
 
     Raises ValueError for an unknown mode / dense value, a model not on the CPU, fp16 without
     FBGEMM (``fp16_gemm_available``), or a layer whose in_features is not a multiple of 32 (int4)
@@ -546,10 +556,10 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     if min(rows, head_rows) < 0:
         raise ValueError("max_rows and head_max_rows must be >= 0")
 
-    def swap(lin: nn.Linear, kind: str, cut: int) -> nn.Module:
+    def swap(lin: nn.Linear, kind: str, cut: int, prompts: bool) -> nn.Module:
         if kind == "fp16":
             return Fp16Linear(lin.weight.data, lin.bias)
-        return QuantLinear.from_linear(lin, kind, cut, dense)
+        return QuantLinear.from_linear(lin, kind, cut, dense, prompts)
 
     def plain(lin: nn.Module | None) -> nn.Linear | None:  # a PackedLinear (pack_dense_weights) as it was
         return lin.to_linear() if isinstance(lin, PackedLinear) else lin if isinstance(lin, nn.Linear) else None
@@ -559,9 +569,9 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
             for name in PROJECTIONS:
                 lin = plain(getattr(parent, name, None))
                 if lin is not None:
-                    setattr(parent, name, swap(lin, mode, rows))
+                    setattr(parent, name, swap(lin, mode, rows, packed_prompts))
     if head != "none" and (lin := plain(model.lm_head)) is not None:
-        model.lm_head = swap(lin, head, head_rows)
+        model.lm_head = swap(lin, head, head_rows, False)
     _new_weights(model)
     return model
 

@@ -41,6 +41,10 @@ namespace {
 constexpr int64_t kGroup = kQ8Block;  // sfcl.model.quant.INT4_GROUP: the weight's groups are the activations' blocks
 constexpr int64_t kRows = 8;         // weight rows per block of the layout
 constexpr int64_t kBlocksPerTask = 16;  // row blocks per unit of the parallel split
+// Activation rows per pass over a task's weights: 32 rows of codes (48 KB at K = 1,536) and their
+// block sums stay near L1 instead of each row coming from L2 once per group (down_proj at 512 rows:
+// 1.2x, 2026-12-07, AVX2 code paths of an AMD EPYC Zen 4)
+constexpr int64_t kRowTile = 32;
 
 inline float bf16_bits_to_float(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
@@ -53,19 +57,26 @@ inline float bf16_bits_to_float(uint16_t b) {
 // The 8 rows' integer dot products of one group (q[j]: k-quad j's codes, row r in bytes 4r..4r+3)
 // with one block of 32 activation codes x8, lanes = rows 0..7.
 inline __m256i group_dots(const __m256i q[8], const int8_t* x8) {
-  int32_t quad[8];
-  std::memcpy(quad, x8, 32);
+  auto quad = [x8](int j) {  // k-quad j's 4 activation codes in every lane, one broadcast load (copying
+    int32_t v;               // the block to the stack first cost a store, a reload and a shuffle each)
+    std::memcpy(&v, x8 + 4 * j, 4);
+    return _mm256_set1_epi32(v);
+  };
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();  // two chains of vpdpbusd
   for (int j = 0; j < 8; j += 2) {
-    a = _mm256_dpbusd_epi32(a, q[j], _mm256_set1_epi32(quad[j]));
-    b = _mm256_dpbusd_epi32(b, q[j + 1], _mm256_set1_epi32(quad[j + 1]));
+    a = _mm256_dpbusd_epi32(a, q[j], quad(j));
+    b = _mm256_dpbusd_epi32(b, q[j + 1], quad(j + 1));
   }
   return _mm256_add_epi32(a, b);
 #else
-  __m256i s = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(quad[0]));
-  for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(quad[j])));
-  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+  // the int16 sums as a tree (exact: at most 8 * 3,810 < 32,767), not one chain of 7 dependent adds
+  const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], quad(0)), _mm256_maddubs_epi16(q[1], quad(1)));
+  const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], quad(2)), _mm256_maddubs_epi16(q[3], quad(3)));
+  const __m256i s45 = _mm256_add_epi16(_mm256_maddubs_epi16(q[4], quad(4)), _mm256_maddubs_epi16(q[5], quad(5)));
+  const __m256i s67 = _mm256_add_epi16(_mm256_maddubs_epi16(q[6], quad(6)), _mm256_maddubs_epi16(q[7], quad(7)));
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67)),
+                           _mm256_set1_epi16(1));
 #endif
 }
 
@@ -76,33 +87,35 @@ void row_blocks(const uint8_t* codes, const uint16_t* sz, const int8_t* x8, cons
                 const float* fs, int64_t M, int64_t G, int64_t N, float* y, int64_t b0, int64_t b1) {
   const int64_t K = G * kGroup;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc_small[8];
-  std::vector<__m256> acc_big(M > 8 ? M : 0);  // once per task, not per block of rows
-  __m256* acc = M > 8 ? acc_big.data() : acc_small;
-#endif
-  for (int64_t rb = b0; rb < b1; ++rb) {
-#if defined(__AVX2__) && defined(__FMA__)
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* c = codes + (rb * G + g) * 128;
-      const uint16_t* s = sz + (rb * G + g) * 16;
-      __m256i q[8];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * i));
-        q[2 * i] = _mm256_and_si256(v, low);
-        q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  __m256 acc[kRowTile];
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {  // activation rows in tiles (kRowTile)
+    const int64_t m1 = std::min(M, m0 + kRowTile);
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      for (int64_t m = m0; m < m1; ++m) acc[m - m0] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* c = codes + (rb * G + g) * 128;
+        const uint16_t* s = sz + (rb * G + g) * 16;
+        __m256i q[8];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * i));
+          q[2 * i] = _mm256_and_si256(v, low);
+          q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        const __m256 scale = bf16x8(s), zero = bf16x8(s + 8);
+        for (int64_t m = m0; m < m1; ++m) {
+          const int64_t mg = m * G + g;
+          const __m256i dots = _mm256_sub_epi32(group_dots(q, x8 + m * K + g * kGroup), _mm256_set1_epi32(8 * xs[mg]));
+          const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(d[mg])),
+                                           acc[m - m0]);
+          acc[m - m0] = _mm256_fmadd_ps(zero, _mm256_set1_ps(fs[mg]), a);
+        }
       }
-      const __m256 scale = bf16x8(s), zero = bf16x8(s + 8);
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t mg = m * G + g;
-        const __m256i dots = _mm256_sub_epi32(group_dots(q, x8 + m * K + g * kGroup), _mm256_set1_epi32(8 * xs[mg]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(d[mg])), acc[m]);
-        acc[m] = _mm256_fmadd_ps(zero, _mm256_set1_ps(fs[mg]), acc[m]);
-      }
+      for (int64_t m = m0; m < m1; ++m) _mm256_storeu_ps(y + m * N + rb * kRows, acc[m - m0]);
     }
-    for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N + rb * kRows, acc[m]);
+  }
 #else
+  for (int64_t rb = b0; rb < b1; ++rb) {
     for (int64_t m = 0; m < M; ++m)
       for (int r = 0; r < kRows; ++r) {
         float a = 0.f;
@@ -119,8 +132,8 @@ void row_blocks(const uint8_t* codes, const uint16_t* sz, const int8_t* x8, cons
         }
         y[m * N + rb * kRows + r] = a;
       }
-#endif
   }
+#endif
 }
 
 }  // namespace
