@@ -246,7 +246,7 @@ def test_engine_decodes_through_the_packed_kernels(lm, monkeypatch):
     # 5 decode steps x 4 block projections on int4, the head (int8) once per decode step
     assert calls["int4"] == 5 * 4 * n and calls["int8"] == 5
     # the prefill chunk: dense weights, M = prompt length, and its one sampled row's head too
-    # (prompt rows always dense: sfcl.model.quant.prompt_rows)
+    # (quantized without packed_prompts: prompt rows take the dense path, sfcl.model.quant.prompt_rows)
     assert calls["dense_rows"] == [len(ids)] * (4 * n) + [1]
     assert len(text.strip()) > 0
 
