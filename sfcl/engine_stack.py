@@ -176,6 +176,9 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
         tagged_log("ENGINE", "compiling the decode step (torch.compile, once per process) ...")
         tagged_log("ENGINE", f"compiled in {compiled.warmup(layer):.0f} s")
+        if compiled.uncompiled:
+            tagged_log("ENGINE", f"warning: torch.compile compiled no graph for decode batches of "
+                                 f"{compiled.uncompiled} rows; those steps run eager (TORCH_LOGS=recompiles says why)")
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
                          decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup,

@@ -35,6 +35,7 @@ def test_compiled_decode_matches_eager_greedy_fp32(shallow_model, nda_prompt):
     eager = make_llm_engine(fp32, None, EngineConfig(max_num_seqs=4, max_model_len=512))
     comp = make_llm_engine(fp32, None, EngineConfig(max_num_seqs=4, max_model_len=512, compile=True))
     assert comp.runner.compiled_decode is not None and comp.runner.compiled_decode.compile_s > 0
+    assert comp.runner.compiled_decode.uncompiled == []  # every warm-up batch compiled, none runs eager
     a, b = run_to_completion(eager, prompts), run_to_completion(comp, prompts)
     assert comp.runner.compiled_decode.calls > 40  # the decode steps really ran compiled
     assert _texts(a) == _texts(b)
@@ -78,12 +79,42 @@ def test_compiled_decode_with_int4_weights_matches_eager(shallow_model, nda_prom
                                                    compile=True))
     cd = comp.runner.compiled_decode
     assert cd.batch_buckets() == [1, 2, 7, 8]  # 7: the first batch past the int4 kernel cut (max_rows 6)
+    assert cd.uncompiled == []
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     a, b = run_to_completion(eager, prompts), run_to_completion(comp, prompts)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled while serving
     assert cd.calls > 20  # decode-only steps (others carry prompt chunks and run eager)
     assert _texts(a) == _texts(b)
     assert [ev[-1].completion_tokens for ev in b] == [30, 12, 20, 6, 26, 16, 9, 22]
+
+
+def test_compiled_decodes_in_one_process_each_compile_their_graphs(shallow_model):
+    """Five compiled decode steps alive in one process, two graphs each (batch 1, batches >= 2;
+    the full batch of 4 reuses the second): each warm-up compiles its own. torch.compile traces
+    every one through one wrapper of torch's, and before ``isolate_recompiles`` the ninth graph hit
+    Dynamo's recompile limit (8): the fifth step compiled nothing and its decode ran eager while
+    counting as compiled (``uncompiled`` was [1, 2, 4])."""
+    from sfcl.model.kv_cache import KVCache
+
+    fp32 = shallow_model()
+    alive = []
+    for _ in range(5):
+        cd = CompiledDecode(fp32.model, KVCache(fp32.args, 4, 64, torch.float32))
+        assert cd.batch_buckets() == [1, 2, 4]
+        cd.warmup(1)
+        assert cd.uncompiled == []
+        alive.append(cd)
+
+
+def test_decode_batches_torch_compile_gives_up_on_are_named(shallow_model, capsys):
+    """With Dynamo's recompile limit at 1, the warm-up compiles batch 1 only: batches 2 and 3 run
+    eager and the engine says so on stderr rather than claiming a compiled decode step."""
+    from sfcl.engine_stack import make_llm_engine
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        comp = make_llm_engine(shallow_model(), None, EngineConfig(max_num_seqs=3, max_model_len=256, compile=True))
+    assert comp.runner.compiled_decode.uncompiled == [2, 3]
+    assert "torch.compile compiled no graph for decode batches of [2, 3] rows" in capsys.readouterr().err
 
 
 def test_private_function_gets_its_own_code_object():

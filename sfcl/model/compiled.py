@@ -77,10 +77,13 @@ def compile_options(device: torch.device | str) -> dict:
 
 
 def _private_function(fn):
-    """A copy of ``fn`` with its own code object. Dynamo keeps compiled graphs and their guards
-    on the code object, so two models compiled in one process (tests, ``sfcl bench``) would
-    otherwise share one cache, and with module guards filtered out (``_guard_filter``) one could
-    run the other's graph."""
+    """A copy of ``fn`` with its own code object. Dynamo traces a ``functools.partial`` through a
+    wrapper of torch's (``torch._dynamo.external_utils.inner``) whose cache holds the graphs of
+    every model compiled in the process (tests, ``sfcl bench``), and tells them apart by a guard on
+    the wrapped function's code object (``___check_obj_id(fn.func.__code__)``, TORCH_LOGS=recompiles,
+    torch 2.13): with module guards filtered out (``_guard_filter``), two models sharing one code
+    object could run each other's graphs. (``isolate_recompiles`` gives each compile its own
+    recompile count; the graphs still live in that one cache.)"""
     code = fn.__code__.replace(co_name=fn.__code__.co_name)  # a new, equal code object
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
@@ -113,9 +116,16 @@ class CompiledDecode:
         self.model, self.kv = model, kv
         # without inference_mode; a private code object, so these graphs and guards are this model's alone
         raw = functools.partial(_private_function(LlamaModel.forward_step.__wrapped__), model)
-        self.fn = torch.compile(raw, dynamic=True, options=compile_options(kv.k[0].device))
+        # isolate_recompiles: torch.compile of a callable that is not a Module traces it through one
+        # wrapper function of torch's (torch._dynamo.external_utils.inner), whose code object keeps
+        # every such compile's graphs; without it, the ninth graph compiled in a process (the
+        # fourth engine of a test run) hit torch._dynamo.config.recompile_limit (8) and that engine's
+        # "compiled" decode silently ran eager (TORCH_LOGS=recompiles, torch 2.13)
+        self.fn = torch.compile(raw, dynamic=True, options=compile_options(kv.k[0].device),
+                                isolate_recompiles=True)
         self.compile_s = 0.0
         self.calls = 0  # decode steps served by the compiled graphs (warm-up included)
+        self.uncompiled: list[int] = []  # warm-up batch sizes that run eager: Dynamo compiled no graph for them
 
     def __call__(self, ids: torch.Tensor, step: StepBatch, tap_layer: int) -> StepOut:
         if step.chunks:
@@ -143,12 +153,22 @@ class CompiledDecode:
     def warmup(self, tap_layer: int, batch_sizes: list[int] | None = None, S: int = 32) -> float:
         """Compile every graph decode will use (``batch_buckets()``) on dummy rows attending to
         S positions (S >= 2, so the length is compiled symbolic, not specialised to 1); returns
-        seconds. Writes position S-1 of KV rows [0, max(batch_sizes)): harmless, rows are
+        seconds. Batch sizes Dynamo did not compile (it fell back to eager) are left in
+        ``uncompiled``. Writes position S-1 of KV rows [0, max(batch_sizes)): harmless, rows are
         rewritten by every prefill before they are read."""
         t0 = time.perf_counter()
         dev = self.kv.k[0].device
-        for B in batch_sizes or self.batch_buckets():
+        frames = torch._dynamo.utils.counters["frames"]
+        self.uncompiled = []
+        for i, B in enumerate(batch_sizes or self.batch_buckets()):
             self.kv.ensure_initialized(B, S)
+            tried, ok = frames["total"], frames["ok"]
             self(torch.zeros(1, B, dtype=torch.long, device=dev), dummy_decode_step(B, S, dev), tap_layer)
+            # Dynamo counts a frame it tried to compile in "total", one it compiled in "ok": tried and
+            # not compiled (a recompile limit, an error it suppressed) runs eager, and so does every
+            # later miss (Dynamo stops trying: "RUN_ONLY"); no try at all is otherwise a cache hit,
+            # except on the first call, which this region has never compiled (Dynamo off)
+            if frames["ok"] == ok and (frames["total"] > tried or i == 0 or self.uncompiled):
+                self.uncompiled.append(B)
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
