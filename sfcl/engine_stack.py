@@ -30,7 +30,7 @@ from sfcl.model import decode_kernel
 from sfcl.model.hardware import WeightChoice, resolve_weight_format
 from sfcl.model.kv_cache import KVCache
 from sfcl.model.loader import LoadedModel, load_model
-from sfcl.model.quant import check_kernel_variables, pack_dense_weights, quantize_weights
+from sfcl.model.quant import QuantLinear, check_kernel_variables, pack_dense_weights, quantize_weights, resolved_cuts
 from sfcl.snapshot.boost import load_rules
 from sfcl.snapshot.entity import vocab_class_table
 from sfcl.snapshot.grounding import Grounding
@@ -40,16 +40,30 @@ from sfcl.snapshot.triggers import TriggerConfig
 
 
 def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "cpu",
-                   pack_dense: bool = True) -> tuple[WeightChoice, int]:
+                   pack_dense: bool = True, max_decode_rows: int | None = None) -> tuple[WeightChoice, int]:
     """Put ``lm``'s weights in the format ``sfcl serve`` runs them in, in place: ``--weight-quant``
     resolved for its dtype and ``device`` (``sfcl.model.hardware.resolve_weight_format``), the model
     quantized (``quantize_weights``) and, with ``pack_dense`` (the server's unless ``--compile``), its
     dense bf16 / float32 weights packed for oneDNN (``pack_dense_weights``: the quantized formats' dense copies,
-    and under ``none`` every projection and the lm_head). The profiling scripts call it to
-    measure the served model. Returns the choice and how many weights were packed."""
+    and under ``none`` every projection and the lm_head). max_decode_rows: the largest decode batch
+    (``--max-num-seqs``; None: any). Where the format puts prompt tokens on the packed kernels
+    (``packed_prompts``) and no decode batch exceeds their ``max_rows``, no block projection row can take
+    the dense path, so the block projections get no dense copy (``dense="packed"``, said on stderr); the
+    lm_head keeps its own. The profiling scripts call it to measure the served model. Returns the
+    choice and how many weights were packed."""
     wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
-    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=wq.dense, lm_head=wq.lm_head,
-                     head_max_rows=wq.head_max_rows, packed_prompts=wq.packed_prompts)
+    dense = wq.dense
+    if (wq.mode in ("int8", "int4") and wq.packed_prompts and wq.dense != "packed" and max_decode_rows is not None
+            and max_decode_rows <= resolved_cuts(wq.mode, wq.lm_head, wq.max_rows, wq.head_max_rows)[1]):
+        dense = "packed"
+    quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=dense, lm_head=wq.lm_head,
+                     head_max_rows=wq.head_max_rows, packed_prompts=wq.packed_prompts, head_dense=wq.dense)
+    if dense != wq.dense:
+        per = {"fp16": 2, "keep": next(lm.model.parameters()).element_size(), "dequant": 0}[wq.dense]
+        saved = per * sum(m.in_features * m.out_features for m in lm.model.layers.modules() if isinstance(m, QuantLinear))
+        tagged_log("WEIGHTS", f"block projections without dense copies ({saved / 2**20:.0f} MiB not allocated): "
+                              f"decode batches of at most {max_decode_rows} rows (--max-num-seqs) and prompt tokens "
+                              f"all run on the packed kernels")
     return wq, (pack_dense_weights(lm.model) if pack_dense else 0)
 
 
@@ -275,7 +289,8 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         tagged_log("ENGINE", f"torch threads: decode {decode_threads}, prefill {prefill_threads}")
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
-        wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile)
+        wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile,
+                                     max_decode_rows=ecfg.max_num_seqs)
         if n_packed:
             used = "every product" if wq.mode == "none" else "prompt chunks and batches above the packed kernels' rows"
             dtype = str(lm.model.embed_tokens.weight.dtype).removeprefix("torch.")

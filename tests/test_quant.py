@@ -429,6 +429,57 @@ def test_packed_prompts_send_every_prompt_row_to_the_packed_kernel(lm):
         assert plain.layers[0].mlp.down_proj.path(1) == "dense"
 
 
+def test_dense_packed_sends_every_row_to_the_packed_kernel_and_keeps_no_copy(lm):
+    """``dense="packed"`` (the block projections where no engine row can reach a dense path): rows
+    past max_rows, inside or outside ``prompt_rows``, run the packed kernel, and the layer holds no
+    dense weight; ``head_dense`` gives the lm_head its own dense path."""
+    from sfcl.model.quant import prompt_rows
+
+    m = quantize_weights(copy.deepcopy(lm.model), "int4", max_rows=4, lm_head="int8", head_max_rows=3,
+                         packed_prompts=True, dense="packed", head_dense="keep")
+    down, head = m.layers[0].mlp.down_proj, m.lm_head
+    assert down.dense_weight is None and down.dense_fp16 is None and not hasattr(down, "qnibbles")
+    assert (down.path(4), down.path(5), down.path(512), head.path(4)) == ("packed", "packed", "packed", "dense")
+    assert head.dense_weight is not None
+    x = torch.randn(40, down.in_features, generator=torch.Generator().manual_seed(3)).to(next(m.parameters()).dtype)
+    assert torch.equal(down(x), _int4_packed(down, x).to(x.dtype))  # 40 rows > max_rows: the kernel itself
+    with prompt_rows():
+        assert down.path(1) == "packed"
+    with pytest.raises(ValueError, match="dense must be one of"):
+        quantize_weights(copy.deepcopy(lm.model), "int4", head_dense="copy")
+
+
+@pytest.mark.parametrize("max_decode_rows, blocks", [(16, "packed"), (32, "packed"), (33, "fp16"), (None, "fp16")])
+def test_served_weights_drop_block_dense_copies_no_row_can_reach(lm, monkeypatch, capsys, max_decode_rows, blocks):
+    """The float32 format whose prompt tokens run on the packed kernel (``packed_prompts``, max_rows 32):
+    with decode batches of at most 32 rows (``--max-num-seqs``) the block projections get no FBGEMM fp16
+    copy (said on stderr, with the memory not allocated); with more rows, or no bound, they keep it. The
+    lm_head keeps its fp16 copy either way (its packed kernel takes 1-3 rows)."""
+    import dataclasses
+
+    from sfcl.engine_stack import served_weights
+    from sfcl.model import hardware
+    from sfcl.model.hardware import WeightFormat
+
+    if not fp16_gemm_available():
+        pytest.skip("FBGEMM fp16 GEMM not in this torch build")
+    fake = {"fp32_fbgemm": [WeightFormat("int4", "fp16", "int8", 32, 0.005, "test", head_max_rows=3,
+                                         packed_prompts=True)]}
+    monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
+    m = copy.deepcopy(lm.model).float()
+    served = dataclasses.replace(lm, model=m)
+    wq, _ = served_weights(served, "auto", max_decode_rows=max_decode_rows, pack_dense=False)
+    down, head = m.layers[0].mlp.down_proj, m.lm_head
+    assert (wq.dense, down.dense, head.dense) == ("fp16", blocks, "fp16")
+    assert (down.dense_fp16 is None) == (blocks == "packed") and head.dense_fp16 is not None
+    err = capsys.readouterr().err
+    if blocks == "packed":
+        assert f"block projections without dense copies (202 MiB not allocated): decode batches of at most " \
+               f"{max_decode_rows} rows" in err
+    else:
+        assert "without dense copies" not in err
+
+
 @pytest.fixture(scope="module")
 def kernels():
     if not decode_kernel.load():

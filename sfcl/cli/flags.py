@@ -72,7 +72,7 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
                    help="weight format of the linear layers (CPU): auto (default) = the fastest format whose NDA "
                         "perplexity stays within 1%% on this machine kind, logged as [WEIGHTS] on stderr (AVX2 "
                         "fp32: SFCL's int4 packed kernels for decode batches of 1-32 rows and for prompts, FBGEMM "
-                        "fp16 weights above, or 1-3 rows and FBGEMM fp16 for prompts where SFCL's kernels cannot "
+                        "fp16 weights above (none with --max-num-seqs <= 32: every row on the packed kernels), or 1-3 rows and FBGEMM fp16 for prompts where SFCL's kernels cannot "
                         "be built and torch's int4 kernel runs; native bf16: SFCL's int4 x int8 kernels for 1-8-row batches, or torch's "
                         "int4 kernel for 1-6 rows on a CPU with AMX, bf16 above); none = as loaded; fp16 = FBGEMM "
                         "fp16 weights; int8 "

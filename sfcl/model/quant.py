@@ -43,9 +43,17 @@ larger M use a dense matmul whose weight comes from
   ``lm_head``), so that both paths compute with the same weights, or
 - ``dense="fp16"``: the same weight as an FBGEMM fp16 matrix (``Fp16Linear``), or
 - ``dense="dequant"``: dequantized on every call (no bf16 copy; int8 dequantizes the kernel's own
-  int8 weight, 1 byte/param in all; int4 keeps an unpacked nibble copy next to the kernel's packed
-  one, 0.5 + 0.5 byte/param). Measured 4.5x (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
-  prefill chunk: only for a model that does not fit twice.
+  int8 weight, 1 byte/param in all; int4 on torch's kernel keeps an unpacked nibble copy next to the
+  kernel's packed one, 0.5 + 0.5 byte/param; SFCL's layout gives its codes back). Measured 4.5x (int8) / 12x (int4) slower than ``keep`` for a batch-16 decode step, 1.2x / 1.7x for a 512-token
+  prefill chunk: only for a model that does not fit twice, or
+- ``dense="packed"``: none; every row takes the packed kernel, whatever M (no copy, no dense path).
+  For the engine when no row can reach the dense path: prompt rows on the packed kernel
+  (``packed_prompts``) and decode batches of at most ``max_rows`` rows (``--max-num-seqs``), where
+  a dense copy is memory that nothing reads (``sfcl.engine_stack.served_weights``). A row outside
+  the engine's steps past ``max_rows`` (a CAD side prompt, ``sfcl.snapshot.cad``) then runs the packed
+  kernel too; on the AVX2 code paths of an AMD EPYC (Zen 4), SFCL's int4 x int8 kernel beat FBGEMM's fp16
+  weights held to AVX2 at every M from 16 to 256 for each block projection shape of SmolLM2-135M
+  (e.g. 0.74 vs 0.90 ms for the fused q/k/v projection at M = 128, 2 threads, 2026-12-07).
 
 CPU only: these are CPU kernels (CUDA's ``_weight_int4pack_mm`` uses another packing and there is
 no CUDA ``_weight_int8pack_mm``); ``quantize_weights`` raises ValueError for a model on another
@@ -65,7 +73,7 @@ from torch import nn
 from sfcl.model import decode_kernel
 
 WEIGHT_QUANT_MODES = ("none", "fp16", "int8", "int4")
-DENSE_MODES = ("keep", "dequant", "fp16")
+DENSE_MODES = ("keep", "dequant", "fp16", "packed")
 INT4_GROUP = 32
 Q8_BLOCK = 32  # activations quantised to int8 per block of this many (csrc/sfcl_kernels.h's kQ8Block)
 INT8_K_MULTIPLE = 16  # the packed int8 kernel's input size must be a multiple of this
@@ -404,7 +412,7 @@ class QuantLinear(nn.Module):
                 self.qweight = None
             else:
                 self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # (N, K/2) uint8, kernel layout
-            if dense == "dequant":
+            if dense == "dequant" and self.kernel != "sfcl":  # SFCL's layout gives q back (int4_q8_codes)
                 self.register_buffer("qnibbles", (q[:, ::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8, ours
             kernel_w = (lambda: _int4_kernel_weight(q, self.scales_and_zeros)) if dense != "dequant" else None
         # The dense path multiplies by the weights the packed kernel multiplies by (dequantized from
@@ -451,10 +459,10 @@ class QuantLinear(nn.Module):
         dt = self.scales.dtype if self.mode == "int8" else self.scales_and_zeros.dtype
         if self.mode == "int8":
             return _int8_kernel_weight(self.qweight, self.scales).to(dt)
-        if self.dense == "dequant":
-            q = torch.stack([self.qnibbles & 15, self.qnibbles >> 4], -1).reshape(self.out_features, self.in_features)
-        elif self.kernel == "sfcl":
+        if self.kernel == "sfcl":
             q = int4_q8_codes(self.q4codes)
+        elif self.dense == "dequant":
+            q = torch.stack([self.qnibbles & 15, self.qnibbles >> 4], -1).reshape(self.out_features, self.in_features)
         else:  # recover q through the kernel itself: rows of the identity pick columns of W^T
             eye = torch.eye(self.in_features, dtype=dt, device=self.qweight.device)
             return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
@@ -462,11 +470,11 @@ class QuantLinear(nn.Module):
 
     def path(self, rows: int) -> str:
         """Which multiplication ``forward`` runs for ``rows`` input rows: ``packed`` (the int8 / int4
-        kernel: decode batches of <= max_rows rows, and within ``prompt_rows`` every row where the
-        layer was quantized with ``packed_prompts``), ``fp16`` (the ``Fp16Linear`` copy), ``dense``
-        (``F.linear`` with the kept copy) or ``dequant`` (``F.linear`` with the weight dequantized
-        for the call)."""
-        if self.packed_prompts if _prompt_rows else rows <= self.max_rows:
+        kernel: decode batches of <= max_rows rows, within ``prompt_rows`` every row where the
+        layer was quantized with ``packed_prompts``, and every row with ``dense="packed"``), ``fp16``
+        (the ``Fp16Linear`` copy), ``dense`` (``F.linear`` with the kept copy) or ``dequant``
+        (``F.linear`` with the weight dequantized for the call)."""
+        if self.dense == "packed" or (self.packed_prompts if _prompt_rows else rows <= self.max_rows):
             return "packed"
         if self.dense_fp16 is not None:
             return "fp16"
@@ -517,7 +525,7 @@ def resolved_cuts(mode: str, lm_head: str | None = None, max_rows: int | None = 
 
 def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, dense: str = "keep",
                      lm_head: str | None = None, head_max_rows: int | None = None,
-                     packed_prompts: bool = False) -> nn.Module:
+                     packed_prompts: bool = False, head_dense: str | None = None) -> nn.Module:
     """Swap the linear layers of a ``LlamaModel`` for ``QuantLinear`` / ``Fp16Linear`` in place;
     returns ``model``.
 
@@ -531,7 +539,8 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     packed kernel's weight, so it no longer shares the embedding's memory). head_max_rows: max_rows
     of a quantized ``lm_head`` (default: max_rows). packed_prompts: the block projections take the
     packed kernel for prompt rows too (``prompt_rows``; the lm_head keeps its dense path there), where
-    that kernel is faster than the dense weights at a prompt chunk's hundreds of rows.
+    that kernel is faster than the dense weights at a prompt chunk's hundreds of rows. head_dense:
+    ``dense`` of a quantized lm_head (default: ``dense``).
 
     Raises ValueError for an unknown mode / dense value, a model not on the CPU, fp16 without
     FBGEMM (``fp16_gemm_available``), or a layer whose in_features is not a multiple of 32 (int4)
@@ -541,8 +550,10 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
         raise ValueError(f"weight quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {mode!r}")
     if mode == "none":
         return model
-    if dense not in DENSE_MODES:
-        raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {dense!r}")
+    head_dense = dense if head_dense is None else head_dense
+    for d in (dense, head_dense):
+        if d not in DENSE_MODES:
+            raise ValueError(f"dense must be one of {', '.join(DENSE_MODES)}, got {d!r}")
     head, rows, head_rows = resolved_cuts(mode, lm_head, max_rows, head_max_rows)
     if head not in WEIGHT_QUANT_MODES:
         raise ValueError(f"lm_head quantization must be one of {', '.join(WEIGHT_QUANT_MODES)}, got {head!r}")
@@ -550,16 +561,16 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
     if dev.type != "cpu":
         raise ValueError(f"--weight-quant {mode} runs on the CPU only (torch's packed int8/int4 and FBGEMM fp16 "
                          f"kernels used here are CPU kernels); the model is on {dev}: use --weight-quant none there")
-    if "fp16" in (mode, dense, head) and not fp16_gemm_available():
+    if "fp16" in (mode, dense, head, head_dense) and not fp16_gemm_available():
         raise ValueError("fp16 weights need FBGEMM's fp16 GEMM, which this torch build lacks (x86 builds have it); "
                          "use --weight-quant int8, int4 or none")
     if min(rows, head_rows) < 0:
         raise ValueError("max_rows and head_max_rows must be >= 0")
 
-    def swap(lin: nn.Linear, kind: str, cut: int, prompts: bool) -> nn.Module:
+    def swap(lin: nn.Linear, kind: str, cut: int, dense_mode: str, prompts: bool) -> nn.Module:
         if kind == "fp16":
             return Fp16Linear(lin.weight.data, lin.bias)
-        return QuantLinear.from_linear(lin, kind, cut, dense, prompts)
+        return QuantLinear.from_linear(lin, kind, cut, dense_mode, prompts)
 
     def plain(lin: nn.Module | None) -> nn.Linear | None:  # a PackedLinear (pack_dense_weights) as it was
         return lin.to_linear() if isinstance(lin, PackedLinear) else lin if isinstance(lin, nn.Linear) else None
@@ -569,9 +580,9 @@ def quantize_weights(model: nn.Module, mode: str, max_rows: int | None = None, d
             for name in PROJECTIONS:
                 lin = plain(getattr(parent, name, None))
                 if lin is not None:
-                    setattr(parent, name, swap(lin, mode, rows, packed_prompts))
+                    setattr(parent, name, swap(lin, mode, rows, dense, packed_prompts))
     if head != "none" and (lin := plain(model.lm_head)) is not None:
-        model.lm_head = swap(lin, head, head_rows, False)
+        model.lm_head = swap(lin, head, head_rows, head_dense, False)
     _new_weights(model)
     return model
 
