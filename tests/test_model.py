@@ -1,5 +1,6 @@
 """Our Llama forward against transformers' reference implementation (fp32), and the taps."""
 
+import json
 import subprocess
 
 import pytest
@@ -124,6 +125,33 @@ def test_a_first_load_with_a_cache_converts_in_a_child_process(tmp_path, lm, mon
     a, b = uncached.model.state_dict(), cached.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cached.fingerprint == uncached.fingerprint and cached.args == uncached.args
+
+
+def test_a_changed_weights_file_is_converted_again_and_replaces_the_old_conversion(tmp_path, lm):
+    """A HF folder whose ``model.safetensors`` is replaced (same size, ``config.json`` untouched):
+    the next cached load converts it again and serves the new weights, and the old conversion of
+    that folder is removed; another model's conversion in the same cache stays."""
+    import shutil
+
+    _tiny_hf_folder(tmp_path / "m", lm)
+    _tiny_hf_folder(tmp_path / "other", lm)
+    cache = tmp_path / "cache"
+    first = load_model(str(tmp_path / "m"), dtype=torch.float32, cache_dir=cache)
+    load_model(str(tmp_path / "other"), dtype=torch.float32, cache_dir=cache)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.5)
+    hf.save_pretrained(tmp_path / "new")
+    assert (tmp_path / "new" / "model.safetensors").stat().st_size == (tmp_path / "m" / "model.safetensors").stat().st_size
+    shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    second = load_model(str(tmp_path / "m"), dtype=torch.float32, cache_dir=cache)
+    w1, w2 = first.model.layers[0].mlp.down_proj.weight, second.model.layers[0].mlp.down_proj.weight
+    assert torch.allclose(w2, w1 * 1.5)
+    sources = sorted(json.loads(m.read_text())["source"] for m in (cache / "models").glob("*/meta.json"))
+    assert sources == sorted([str(tmp_path / "m"), str(tmp_path / "other")])
 
 
 def test_the_child_conversion_reports_errors_and_falls_back_in_process(tmp_path, lm):

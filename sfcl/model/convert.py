@@ -28,7 +28,8 @@ def convert_to_cache(src: ModelSource, cache: Path) -> None:
     place, so that a process loading ``cache`` never reads files another conversion is still writing
     (two servers starting together on one cache). Where ``cache`` already holds a complete conversion
     (another process's), this one is dropped; a ``cache`` without ``done`` (a conversion cut short by
-    older code) is replaced. Raises ModelLoadError (unreadable or unsupported model) or OSError (the
+    older code) is replaced, and older conversions of the same source path are removed
+    (``_drop_superseded``). Raises ModelLoadError (unreadable or unsupported model) or OSError (the
     cache cannot be written)."""
     from safetensors.torch import save_file
 
@@ -54,6 +55,24 @@ def convert_to_cache(src: ModelSource, cache: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename
+    _drop_superseded(cache, src)
+
+
+def _drop_superseded(cache: Path, src: ModelSource) -> None:
+    """Remove the other conversions of the same source path (``meta.json``'s ``source``): the
+    file or folder changed since they were made (``loader._cache_key``), and each is ~0.5 GB for
+    SmolLM2-135M. A process that loaded one already holds its weights; one reading it at this
+    moment would fail to load (a start racing a change of the model file)."""
+    here = src.path.resolve()
+    for meta in cache.parent.glob("*/meta.json"):
+        d = meta.parent
+        if d == cache:
+            continue
+        try:
+            if Path(json.loads(meta.read_text())["source"]).resolve() == here:
+                shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: not ours to judge
+            continue
 
 
 def _drop_orphans(cache: Path) -> None:

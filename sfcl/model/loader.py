@@ -2,8 +2,9 @@
 HF model folder. Weights and tokenizer come through transformers (``gguf_file=`` for GGUF, which
 dequantises to float), then move into ``sfcl.model.llama.LlamaModel`` in the serving dtype.
 
-The converted weights and tokenizer are cached under ``cache_dir/models/<key>`` (key = path, size
-and mtime of the source) so that a restart skips GGUF dequantisation. Nothing is ever downloaded:
+The converted weights and tokenizer are cached under ``cache_dir/models/<key>`` (key = path, and
+size and mtime of the GGUF file or of every file at the top of a HF folder; ``_cache_key``), a
+conversion replacing older ones of the same path, so that a restart skips GGUF dequantisation. Nothing is ever downloaded:
 transformers runs with ``local_files_only=True``.
 
 With a cache directory the conversion runs in a child process (``python -m sfcl.model.convert
@@ -96,8 +97,17 @@ def resolve_model(spec: str | None) -> ModelSource:
 
 
 def _cache_key(src: ModelSource) -> str:
-    st = src.path.stat() if src.path.is_file() else (src.path / "config.json").stat()
-    raw = f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    """The cache folder's name for ``src``: a hash of its resolved path and the size and mtime of
+    the GGUF file, or of every file at the top of a HF folder (weights, config, tokenizer: a
+    replaced ``model.safetensors`` beside an unchanged ``config.json`` reloaded the old weights until
+    2026-12-07, when only ``config.json`` was keyed)."""
+    if src.path.is_file():
+        st = src.path.stat()
+        raw = f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    else:
+        files = sorted(f for f in src.path.iterdir() if f.is_file())
+        raw = f"{src.path.resolve()}|v2|" + "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+                                                     for f in files)
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
