@@ -40,7 +40,8 @@ from sfcl.snapshot.triggers import TriggerConfig
 
 
 def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "cpu",
-                   pack_dense: bool = True, max_decode_rows: int | None = None) -> tuple[WeightChoice, int]:
+                   pack_dense: bool = True, max_decode_rows: int | None = None,
+                   traceable: bool = False) -> tuple[WeightChoice, int]:
     """Put ``lm``'s weights in the format ``sfcl serve`` runs them in, in place: ``--weight-quant``
     resolved for its dtype and ``device`` (``sfcl.model.hardware.resolve_weight_format``), the model
     quantized (``quantize_weights``) and, with ``pack_dense`` (the server's unless ``--compile``), its
@@ -49,17 +50,20 @@ def served_weights(lm: LoadedModel, weight_quant: str = "auto", device: str = "c
     (``--max-num-seqs``; None: any). Where the format puts prompt tokens on the packed kernels
     (``packed_prompts``) and no decode batch exceeds their ``max_rows``, no block projection row can take
     the dense path, so the block projections get no dense copy (``dense="packed"``, said on stderr); the
-    lm_head keeps its own. The profiling scripts call it to measure the served model. Returns the
-    choice and how many weights were packed."""
+    lm_head keeps its own. traceable (``--compile``): dense paths the format puts on FBGEMM's fp16
+    weights (``Fp16Linear``, whose packed ScriptObject Dynamo cannot trace: the compiled decode step
+    broke its graph at the lm_head from 4 rows and recompiled mid-serving, a tester found) keep a
+    plain copy in the model dtype instead (``dense="keep"``). The profiling scripts call it to
+    measure the served model. Returns the choice and how many weights were packed."""
     wq = resolve_weight_format(weight_quant, next(lm.model.parameters()).dtype, device)
-    dense = wq.dense
+    dense = head_dense = "keep" if traceable and wq.dense == "fp16" else wq.dense
     if (wq.mode in ("int8", "int4") and wq.packed_prompts and wq.dense != "packed" and max_decode_rows is not None
             and max_decode_rows <= resolved_cuts(wq.mode, wq.lm_head, wq.max_rows, wq.head_max_rows)[1]):
         dense = "packed"
     quantize_weights(lm.model, wq.mode, max_rows=wq.max_rows, dense=dense, lm_head=wq.lm_head,
-                     head_max_rows=wq.head_max_rows, packed_prompts=wq.packed_prompts, head_dense=wq.dense)
-    if dense != wq.dense:
-        per = {"fp16": 2, "keep": next(lm.model.parameters()).element_size(), "dequant": 0}[wq.dense]
+                     head_max_rows=wq.head_max_rows, packed_prompts=wq.packed_prompts, head_dense=head_dense)
+    if dense == "packed":
+        per = {"fp16": 2, "keep": next(lm.model.parameters()).element_size(), "dequant": 0}[head_dense]
         saved = per * sum(m.in_features * m.out_features for m in lm.model.layers.modules() if isinstance(m, QuantLinear))
         tagged_log("WEIGHTS", f"block projections without dense copies ({saved / 2**20:.0f} MiB not allocated): "
                               f"decode batches of at most {max_decode_rows} rows (--max-num-seqs) and prompt tokens "
@@ -193,6 +197,9 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         if compiled.uncompiled:
             tagged_log("ENGINE", f"warning: torch.compile compiled no graph for decode batches of "
                                  f"{compiled.uncompiled} rows; those steps run eager (TORCH_LOGS=recompiles says why)")
+        if compiled.graph_breaks:
+            tagged_log("ENGINE", f"warning: the compiled decode step has {compiled.graph_breaks} graph breaks: "
+                                 f"parts of it run eager and may recompile while serving (TORCH_LOGS=graph_breaks says where)")
     runner = ModelRunner(lm.model, kv, layer, snap, device, graphs=graphs, fused_lookup=cuda,
                          compiled_decode=compiled, prefill_threads=ecfg.prefill_threads,
                          decode_threads=decode_threads, overlap_lookup=ecfg.overlap_lookup,
@@ -290,7 +297,7 @@ def _build_engine(mcfg: ModelConfig, ecfg: EngineConfig, scfg: SnapshotConfig, p
         # after the library: a default library built on first start comes from the unquantized weights
         # (its cache name holds the fingerprint, which the untouched embedding leaves unchanged)
         wq, n_packed = served_weights(lm, mcfg.weight_quant, mcfg.device, pack_dense=not ecfg.compile,
-                                     max_decode_rows=ecfg.max_num_seqs)
+                                     max_decode_rows=ecfg.max_num_seqs, traceable=ecfg.compile)
         if n_packed:
             used = "every product" if wq.mode == "none" else "prompt chunks and batches above the packed kernels' rows"
             dtype = str(lm.model.embed_tokens.weight.dtype).removeprefix("torch.")

@@ -117,6 +117,41 @@ def test_decode_batches_torch_compile_gives_up_on_are_named(shallow_model, capsy
     assert "torch.compile compiled no graph for decode batches of [2, 3] rows" in capsys.readouterr().err
 
 
+def test_served_avx2_weights_compile_in_one_graph_per_batch(shallow_model, nda_prompt, monkeypatch):
+    """The float32 format of AVX2 CPUs (int4 blocks, an int8 lm_head for 1-3 rows and FBGEMM fp16 weights
+    above) as ``--compile`` serves it (``served_weights(traceable=True)``): the lm_head's dense path is a
+    plain float32 copy, so the warm-up compiles batches 1, 2 and 4 (the lm_head's cut) without a graph
+    break and 4 streams recompile nothing. With FBGEMM's fp16 copy Dynamo broke the graph there (its packed
+    weight is a ScriptObject) and the warm-up says so: a tester saw the first batch of 4 recompile while
+    serving, a 15 s stall."""
+    from sfcl.engine_stack import served_weights, make_llm_engine
+    from sfcl.model import hardware
+    from sfcl.model.hardware import WeightFormat
+    from sfcl.model.quant import Fp16Linear, fp16_gemm_available
+
+    if not fp16_gemm_available():
+        pytest.skip("FBGEMM fp16 GEMM not in this torch build")
+    fake = {"fp32_fbgemm": [WeightFormat("int4", "fp16", "int8", 32, 0.005, "test", head_max_rows=3,
+                                         packed_prompts=True)]}
+    monkeypatch.setattr(hardware, "WEIGHT_FORMATS", fake)
+    cfg = dict(max_num_seqs=4, max_model_len=512, compile=True)
+    lm = shallow_model()
+    served_weights(lm, "auto", pack_dense=False, max_decode_rows=4, traceable=True)
+    assert lm.model.lm_head.dense == "keep" and not any(isinstance(m, Fp16Linear) for m in lm.model.modules())
+    comp = make_llm_engine(lm, None, EngineConfig(**cfg))
+    cd = comp.runner.compiled_decode
+    assert cd.batch_buckets() == [1, 2, 4] and cd.uncompiled == [] and cd.graph_breaks == 0
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    prompts = [(nda_prompt[:n], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for n in (40, 55, 70, 85)]
+    out = run_to_completion(comp, prompts)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled while serving
+    assert [ev[-1].completion_tokens for ev in out] == [12] * 4
+    fp16 = shallow_model()
+    served_weights(fp16, "auto", pack_dense=False, max_decode_rows=4)
+    assert isinstance(fp16.model.lm_head.dense_fp16, Fp16Linear)
+    assert make_llm_engine(fp16, None, EngineConfig(**cfg)).runner.compiled_decode.graph_breaks > 0
+
+
 def test_private_function_gets_its_own_code_object():
     """Each CompiledDecode compiles a private copy of forward_step: Dynamo keeps graphs and guards
     per code object, and with module guards filtered out a shared one could run another model's

@@ -126,6 +126,7 @@ class CompiledDecode:
         self.compile_s = 0.0
         self.calls = 0  # decode steps served by the compiled graphs (warm-up included)
         self.uncompiled: list[int] = []  # warm-up batch sizes that run eager: Dynamo compiled no graph for them
+        self.graph_breaks = 0  # graph breaks Dynamo met while compiling the warm-up's graphs
 
     def __call__(self, ids: torch.Tensor, step: StepBatch, tap_layer: int) -> StepOut:
         if step.chunks:
@@ -154,12 +155,13 @@ class CompiledDecode:
         """Compile every graph decode will use (``batch_buckets()``) on dummy rows attending to
         S positions (S >= 2, so the length is compiled symbolic, not specialised to 1); returns
         seconds. Batch sizes Dynamo did not compile (it fell back to eager) are left in
-        ``uncompiled``. Writes position S-1 of KV rows [0, max(batch_sizes)): harmless, rows are
+        ``uncompiled``, and the graph breaks Dynamo met in ``graph_breaks``. Writes position S-1 of KV rows [0, max(batch_sizes)): harmless, rows are
         rewritten by every prefill before they are read."""
         t0 = time.perf_counter()
         dev = self.kv.k[0].device
-        frames = torch._dynamo.utils.counters["frames"]
+        frames, breaks = torch._dynamo.utils.counters["frames"], torch._dynamo.utils.counters["graph_break"]
         self.uncompiled = []
+        breaks0 = sum(breaks.values())
         for i, B in enumerate(batch_sizes or self.batch_buckets()):
             self.kv.ensure_initialized(B, S)
             tried, ok = frames["total"], frames["ok"]
@@ -170,5 +172,6 @@ class CompiledDecode:
             # except on the first call, which this region has never compiled (Dynamo off)
             if frames["ok"] == ok and (frames["total"] > tried or i == 0 or self.uncompiled):
                 self.uncompiled.append(B)
+        self.graph_breaks = sum(breaks.values()) - breaks0
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
