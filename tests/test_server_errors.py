@@ -664,6 +664,25 @@ def test_anchor_reload_body_must_be_json(serve):
     assert httpx.post(url + "/admin/anchors/reload", timeout=10).status_code == 404  # no body: no content type needed
 
 
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_generation_body_in_a_non_json_content_type_is_refused_in_the_routes_format(url, ctype):
+    """A web page may POST text/plain, a form or multipart to a local server on another origin without a
+    CORS preflight: generation bodies in those content types are refused before they are read (415, as
+    FastAPI's JSON bodies since 0.65.2), in each route's own error format."""
+    r = post(url, A, a_body(), headers={"content-type": ctype})
+    assert anthropic_error(r, 415, "invalid_request_error").startswith(
+        f"body: expected content-type application/json, got {ctype.split(';')[0]}")
+    openai_error(post(url, O, o_body(), headers={"content-type": ctype}), 415, "body")
+
+
+@pytest.mark.parametrize("ctype", [None, "application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"])
+def test_generation_body_in_json_or_no_content_type_is_read(url, ctype):
+    headers = {} if ctype is None else {"content-type": ctype}
+    r = httpx.post(url + O, content=json.dumps(o_body(max_tokens=2)).encode(), headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+
+
 @pytest.mark.parametrize("path, fields", [
     (O, {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0, "logit_bias": {},
          "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,

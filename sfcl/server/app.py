@@ -35,7 +35,7 @@ from sfcl.server.auth import check_api_key
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
-from sfcl.server.parsing import body_json, read_body
+from sfcl.server.parsing import body_json, check_json_content_type, read_body
 from sfcl.server.request_log import setup_request_logger
 from sfcl.text import clip
 
@@ -140,10 +140,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
         if body.strip():
             # JSON only: a browser sends text/plain or a form across origins without a preflight, so a
             # web page could otherwise swap the library of a server without an API key
-            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                raise ApiError(415, f"body: expected content-type application/json, got {ctype or 'none'}",
-                               param="body")
+            check_json_content_type(request, allow_missing=False)
             data = await body_json(body)
             if not isinstance(data, dict) or not isinstance(data.get("path", ""), (str, type(None))) \
                     or set(data) - {"path"}:

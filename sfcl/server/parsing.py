@@ -152,10 +152,27 @@ def _decode_request(model_cls: type[BaseModel], raw: bytes, max_messages: int | 
     return parse_model(model_cls, value)
 
 
+def check_json_content_type(request: Request, *, allow_missing: bool = True) -> None:
+    """Raises ApiError 415 naming ``body`` unless the request's ``content-type`` is JSON
+    (``application/json`` or ``application/*+json``, any parameters) or, with ``allow_missing``,
+    absent. FastAPI's rule for JSON bodies since 0.65.2 (so vLLM's and other FastAPI servers'): a
+    browser sends ``text/plain``, a form or ``multipart/form-data`` to another origin without a CORS
+    preflight, so a web page could otherwise make a local server without an API key generate for it;
+    ``curl -d`` without ``-H 'content-type: application/json'`` sends a form and gets this error."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not ctype and allow_missing:
+        return
+    main, _, sub = ctype.partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        return
+    raise ApiError(415, f"body: expected content-type application/json, got {ctype or 'none'}", param="body")
+
+
 async def read_request(request: Request, model_cls: type[BaseModel], max_messages: int | None = None) -> Any:
-    """The body as a ``model_cls`` (``read_body``, ``decode_json``, ``check_message_count``,
-    ``parse_model``; decoding and validation in a worker thread for a large body); raises what they
-    raise."""
+    """The body as a ``model_cls`` (``check_json_content_type``, ``read_body``, ``decode_json``,
+    ``check_message_count``, ``parse_model``; decoding and validation in a worker thread for a large
+    body); raises what they raise."""
+    check_json_content_type(request)
     raw = await read_body(request)
     return await _off_loop_if_large(len(raw), _decode_request, model_cls, raw, max_messages)
 
