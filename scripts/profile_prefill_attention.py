@@ -13,7 +13,8 @@ kernel: ``torch.ops.sfcl.prefill_attention`` in float32, ``torch.ops.sfcl.causal
 (on AMX tiles where the CPU has them; ``--no-amx`` its AVX-512 BF16 vector path); the blocked form (``--start 0`` only) takes
 query blocks of 128 / 256 / 512 rows, stacks the query heads of each KV head into one GEMM, masks the
 diagonal block and softmaxes in float32. Prints the largest difference to SDPA, the p50 of 20 calls
-each and its rate in GFLOP/s counting the causal product's 4 nh hd (T start + T^2 / 2) FLOP.
+each and its rate in GFLOP/s counting the causal product's 4 nh hd (T start + T^2 / 2) FLOP, then
+torch's GEMM in the same dtype at the model's (T x 576) x (576 x 1,536) shape, the rate to read them against.
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def main(argv: list[str] | None = None) -> None:
         ts.sort()
         print(f"{name}: p50 {ts[10] * 1e3:.2f} ms, {flop / ts[10] / 1e9:.0f} GFLOP/s (max |diff| to sdpa {diff:.3g})",
               flush=True)
+    # the ceiling to read those rates against: torch's GEMM (MKL / oneDNN) in the same dtype, at the model's
+    # gate/up shape with the chunk's rows
+    x, w = torch.randn(T, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
+    ts = []
+    for i in range(23):
+        t = time.perf_counter()
+        torch.mm(x, w)
+        ts.append(time.perf_counter() - t)
+    ts = sorted(ts[3:])
+    print(f"torch.mm ({T} x 576) x (576 x 1536), {a.dtype}: p50 {ts[10] * 1e3:.2f} ms, "
+          f"{2 * T * 576 * 1536 / ts[10] / 1e9:.0f} GFLOP/s", flush=True)
 
 if __name__ == "__main__":
     main()
