@@ -652,6 +652,28 @@ def test_openapi_schema_builds_without_warnings():
     assert set(schema["paths"]["/health"]) == {"get"}
 
 
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://127.0.0.1", "not a url"])
+def test_a_browsers_request_from_another_origin_is_refused(url, origin):
+    """A web page can POST to a local server without an API key with no preflight (a body of no content
+    type, or text/plain): a request whose Origin is not the server's own is refused (403) in the route's
+    format before its body is read, on both generation routes and the admin reload."""
+    headers = {"origin": origin}
+    msg = anthropic_error(post(url, A, a_body(), headers=headers), 403, "permission_error")
+    assert msg.startswith("cross-origin request refused")
+    assert openai_error(post(url, O, o_body(), headers=headers), 403)["code"] == "cross_origin"
+    r = httpx.post(url + O, content=json.dumps(o_body()).encode(), headers=headers, timeout=10)  # no content type
+    openai_error(r, 403)
+    openai_error(httpx.post(url + "/admin/anchors/reload", headers=headers, timeout=10), 403)
+
+
+def test_a_same_origin_request_and_one_without_origin_are_served(url):
+    port = url.rsplit(":", 1)[1]  # serve_in_thread's URL: http://127.0.0.1:PORT
+    for headers in ({}, {"origin": url}, {"origin": f"http://LocalHost:{port}", "host": f"localhost:{port}"},
+                    {"origin": "https://app.example", "x-forwarded-host": "app.example"}):
+        r = post(url, O, o_body(max_tokens=2), headers=headers)
+        assert r.status_code == 200, (headers, r.text)
+
+
 def test_anchor_reload_body_must_be_json(serve):
     """A browser may POST text/plain or a form to another origin without a preflight: a reload body
     in any other content type is refused before it is read as JSON (415)."""
@@ -673,6 +695,23 @@ def test_generation_body_in_a_non_json_content_type_is_refused_in_the_routes_for
     assert anthropic_error(r, 415, "invalid_request_error").startswith(
         f"body: expected content-type application/json, got {ctype.split(';')[0]}")
     openai_error(post(url, O, o_body(), headers={"content-type": ctype}), 415, "body")
+
+
+@pytest.mark.parametrize("ctype", [";;;", "; application/json", "application/+json", "application/jsonx", "text/json"])
+def test_generation_body_in_an_empty_or_near_json_media_type_is_refused(url, ctype):
+    r = post(url, O, o_body(), headers={"content-type": ctype})
+    openai_error(r, 415, "body")
+
+
+def test_a_second_content_type_header_must_be_json_too(url):
+    """Starlette's ``headers.get`` reads the first of two headers: a second, non-JSON one passed."""
+    body = json.dumps(o_body(max_tokens=2)).encode()
+    for first, second in (("application/json", "text/plain"), ("", "text/plain")):
+        r = httpx.post(url + O, content=body, headers=[("content-type", first), ("content-type", second)], timeout=10)
+        openai_error(r, 415, "body")
+    r = httpx.post(url + O, content=body, timeout=10,
+                   headers=[("content-type", "application/json"), ("content-type", "application/json; charset=utf-8")])
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("ctype", [None, "application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"])

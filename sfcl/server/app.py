@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from sfcl.config import SNAPSHOT_MODES
 from sfcl.engine.protocol import EngineClient
 from sfcl.server import anthropic_api, openai_api
-from sfcl.server.auth import check_api_key
+from sfcl.server.auth import check_api_key, check_same_origin
 from sfcl.server.dashboard import install_dashboard
 from sfcl.server.errors import ApiError, error_style, install_error_handlers, log
 from sfcl.server.openapi import install_openapi
@@ -132,9 +132,11 @@ def create_app(engine: EngineClient, *, api_key: str | None = None, ping_interva
     @app.post("/admin/anchors/reload", include_in_schema=False)
     async def reload_anchors(request: Request) -> JSONResponse:
         """Reload the anchor library without a restart. Errors come in the caller's API format
-        (Anthropic when it sends ``anthropic-version``); a refused library leaves the old one."""
+        (Anthropic when it sends ``anthropic-version``); a refused library leaves the old one; a
+        browser's request from another origin is refused (``check_same_origin``), with or without a body."""
         openai = error_style(request) == "openai"
         check_api_key(request, openai=openai)
+        check_same_origin(request, openai=openai)
         body = await read_body(request)
         path = None
         if body.strip():

@@ -153,19 +153,23 @@ def _decode_request(model_cls: type[BaseModel], raw: bytes, max_messages: int | 
 
 
 def check_json_content_type(request: Request, *, allow_missing: bool = True) -> None:
-    """Raises ApiError 415 naming ``body`` unless the request's ``content-type`` is JSON
-    (``application/json`` or ``application/*+json``, any parameters) or, with ``allow_missing``,
-    absent. FastAPI's rule for JSON bodies since 0.65.2 (so vLLM's and other FastAPI servers'): a
-    browser sends ``text/plain``, a form or ``multipart/form-data`` to another origin without a CORS
-    preflight, so a web page could otherwise make a local server without an API key generate for it;
-    ``curl -d`` without ``-H 'content-type: application/json'`` sends a form and gets this error."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if not ctype and allow_missing:
+    """Raises ApiError 415 naming ``body`` unless every ``content-type`` header of the request is JSON
+    (``application/json`` or ``application/<type>+json``, any case, any parameters) or, with
+    ``allow_missing``, there is none. FastAPI's rule for JSON bodies since 0.65.2 (so vLLM's and other
+    FastAPI servers'), stricter on an empty media type and on a second header: a browser sends
+    ``text/plain``, a form or ``multipart/form-data`` to another origin without a CORS preflight, and
+    ``curl -d`` without ``-H 'content-type: application/json'`` sends a form and gets this error. (A
+    body with no content type at all needs no preflight either: ``sfcl.server.auth.check_same_origin``
+    refuses those from another origin.)"""
+    values = request.headers.getlist("content-type")
+    if not values and allow_missing:
         return
-    main, _, sub = ctype.partition("/")
-    if main == "application" and (sub == "json" or sub.endswith("+json")):
-        return
-    raise ApiError(415, f"body: expected content-type application/json, got {ctype or 'none'}", param="body")
+    for value in values or [""]:
+        ctype = value.split(";")[0].strip().lower()
+        main, _, sub = ctype.partition("/")
+        if main != "application" or not (sub == "json" or (sub.endswith("+json") and len(sub) > len("+json"))):
+            got = clip(ctype) if ctype else ("an empty media type" if values else "none")
+            raise ApiError(415, f"body: expected content-type application/json, got {got}", param="body")
 
 
 async def read_request(request: Request, model_cls: type[BaseModel], max_messages: int | None = None) -> Any:

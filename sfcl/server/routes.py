@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from sfcl.engine.events import ErrorEvent, Finished, SnapshotEvent, Started, TextDelta
 from sfcl.engine.protocol import EngineBusyError, EngineClient
-from sfcl.server.auth import check_api_key
+from sfcl.server.auth import check_api_key, check_same_origin
 from sfcl.server.errors import ApiError, ClientGone
 from sfcl.server.generation import (KEEPALIVE, Collected, EngineEvents, collect, engine_error,
                                     start_generation)
@@ -154,6 +154,7 @@ async def _generate(request: Request, api: ApiAdapter, rlog: RequestLog) -> Resp
     engine: EngineClient = request.app.state.engine
     rid = rlog.id
     check_api_key(request, openai=api.openai)
+    check_same_origin(request, openai=api.openai)
     req: Any = await read_request(request, api.request_model, max_messages=engine.max_model_len)
     rlog.stream = bool(req.stream)  # what the request asked for, logged even when it is rejected below
     mode = resolve_snapshot_mode(request, req.snapshot_mode)
