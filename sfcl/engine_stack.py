@@ -194,6 +194,10 @@ def make_llm_engine(lm: LoadedModel, lib: AnchorLibrary | None, ecfg: EngineConf
         compiled = CompiledDecode(lm.model, kv)  # ValueError with an INT8 KV cache
         tagged_log("ENGINE", "compiling the decode step (torch.compile, once per process) ...")
         tagged_log("ENGINE", f"compiled in {compiled.warmup(layer):.0f} s")
+        if kv.fused_layers:
+            tagged_log("ENGINE", "note: the compiled step replaces SFCL's fused decode kernels, which were faster where "
+                                 "measured (16 streams: the compiled step at 0.57-0.87x their tokens/s, AMD EPYC Zen 4, "
+                                 "2026-12-08; docs/engine.md); leave --compile out unless comparing")
         if compiled.uncompiled:
             tagged_log("ENGINE", f"warning: torch.compile compiled no graph for decode batches of "
                                  f"{compiled.uncompiled} rows; those steps run eager (TORCH_LOGS=recompiles says why)")

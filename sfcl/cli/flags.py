@@ -98,10 +98,12 @@ def add_snapshot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-lookup", action="store_true",
                    help="search inside the step (the default; kept for older command lines)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile (Inductor) the decode step: fuses the per-layer element-wise ops; "
-                        "compiles at startup, about 5 min on 2 cores the first time (Inductor caches code under /tmp, so restarts take ~35 s); "
-                        "off by default because that first compile does not fit a first start's 3-minute budget; "
-                        "needs a C++ compiler on CPU; combines with --weight-quant; not with --kv-cache-dtype int8")
+                   help="torch.compile (Inductor) the decode step in place of SFCL's fused decode kernels: slower than "
+                        "the default on the CPUs measured (16 streams at 0.57-0.66x the default's tokens/s in bf16 and "
+                        "0.66-0.87x in float32 on AVX2 code paths, +700-830 MiB peak RSS; AMD EPYC Zen 4, 2026-12-08), "
+                        "kept to compare against; compiles at startup, 3-5 min on 2 cores the first time (Inductor "
+                        "caches code under /tmp, so restarts take ~1 min); needs a C++ compiler on CPU; combines with "
+                        "--weight-quant; not with --kv-cache-dtype int8")
     p.add_argument("--priority-tags", default="", help="comma-separated x-sfcl-tag values admitted first (e.g. high-risk)")
     p.add_argument("--metric-tags", default="high-risk", help="comma-separated tags kept as metric labels (others: other)")
     p.add_argument("--price-per-hour", type=float, default=0.0, help="device price in $/hour for the cost metrics")
