@@ -652,12 +652,14 @@ def test_openapi_schema_builds_without_warnings():
     assert set(schema["paths"]["/health"]) == {"get"}
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://127.0.0.1", "not a url"])
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://127.0.0.1", "not a url",
+                                    "http://evil.example\\@127.0.0.1:{port}", "http://127.0.0.1:{port}/x"])
 def test_a_browsers_request_from_another_origin_is_refused(url, origin):
     """A web page can POST to a local server without an API key with no preflight (a body of no content
     type, or text/plain): a request whose Origin is not the server's own is refused (403) in the route's
-    format before its body is read, on both generation routes and the admin reload."""
-    headers = {"origin": origin}
+    format before its body is read, on both generation routes and the admin reload. An Origin is only
+    ``scheme://host[:port]``: user info (which ``urlsplit`` reads the host after) or a path do not pass."""
+    headers = {"origin": origin.format(port=url.rsplit(":", 1)[1])}
     msg = anthropic_error(post(url, A, a_body(), headers=headers), 403, "permission_error")
     assert msg.startswith("cross-origin request refused")
     assert openai_error(post(url, O, o_body(), headers=headers), 403)["code"] == "cross_origin"
@@ -666,12 +668,39 @@ def test_a_browsers_request_from_another_origin_is_refused(url, origin):
     openai_error(httpx.post(url + "/admin/anchors/reload", headers=headers, timeout=10), 403)
 
 
+def test_a_second_origin_header_is_refused(url):
+    r = httpx.post(url + O, content=json.dumps(o_body()).encode(), timeout=10,
+                   headers=[("content-type", "application/json"), ("origin", url), ("origin", "http://evil.example")])
+    openai_error(r, 403)
+
+
 def test_a_same_origin_request_and_one_without_origin_are_served(url):
     port = url.rsplit(":", 1)[1]  # serve_in_thread's URL: http://127.0.0.1:PORT
     for headers in ({}, {"origin": url}, {"origin": f"http://LocalHost:{port}", "host": f"localhost:{port}"},
-                    {"origin": "https://app.example", "x-forwarded-host": "app.example"}):
+                    {"origin": "http://127.0.0.1", "host": "127.0.0.1:80"}):
         r = post(url, O, o_body(max_tokens=2), headers=headers)
         assert r.status_code == 200, (headers, r.text)
+
+
+def test_a_page_on_a_domain_name_needs_the_api_key(serve):
+    """DNS rebinding: a page at rebind.example points its name at 127.0.0.1 after it loaded, and the browser
+    sends that name as both Origin and Host, same-origin by the headers. A server without an API key serves
+    browser pages only from localhost or an IP address; with a key (which such a page does not have) a page
+    on a domain name is served, also behind a proxy that rewrites Host (X-Forwarded-Host)."""
+    url, _ = serve()
+    port = url.rsplit(":", 1)[1]
+    rebind = {"origin": f"http://rebind.example:{port}", "host": f"rebind.example:{port}"}
+    msg = anthropic_error(post(url, A, a_body(), headers=rebind), 403, "permission_error")
+    assert "DNS rebinding" in msg and "--api-key" in msg
+    openai_error(post(url, O, o_body(), headers=rebind), 403)
+    openai_error(httpx.post(url + "/admin/anchors/reload", headers=rebind, timeout=10), 403)
+    url, _ = serve(api_key="k")
+    port = url.rsplit(":", 1)[1]
+    for headers in ({"origin": f"http://rebind.example:{port}", "host": f"rebind.example:{port}"},
+                    {"origin": "https://app.example", "x-forwarded-host": "app.example"}):
+        r = post(url, O, o_body(max_tokens=2), headers={**headers, "x-api-key": "k"})
+        assert r.status_code == 200, (headers, r.text)
+    openai_error(post(url, O, o_body(), headers={"origin": "http://evil.example", "x-api-key": "k"}), 403)
 
 
 def test_anchor_reload_body_must_be_json(serve):
