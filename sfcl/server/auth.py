@@ -49,27 +49,28 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def _origin(value: str) -> tuple[str, int] | None:
     """(lower-case host, port) of a serialized origin, ``scheme://host[:port]`` with nothing else
-    (RFC 6454, section 6.2: no user info, path, query or fragment, scheme http or https), else None."""
+    (RFC 6454, section 6.2: no user info, path, query or fragment, scheme http or https, port not 0),
+    else None."""
     try:
         o = urlsplit(value.strip())
-        port = o.port
-    except ValueError:  # a bad port
+    except ValueError:  # e.g. an unclosed IPv6 bracket
         return None
-    if (o.scheme not in _DEFAULT_PORTS or not o.hostname or o.username is not None or o.password is not None
-            or o.path or o.query or o.fragment or port == 0):
+    if (o.scheme not in _DEFAULT_PORTS or o.username is not None or o.password is not None
+            or o.path or o.query or o.fragment):
         return None
-    return o.hostname.lower(), _DEFAULT_PORTS[o.scheme] if port is None else port
+    hp = _host_port(o.netloc, _DEFAULT_PORTS[o.scheme])
+    return hp if hp is not None and hp[1] != 0 else None
 
 
-def _host_port(netloc: str, scheme_port: int) -> tuple[str, int] | None:
-    """(lower-case host, port) of a ``Host`` value, the origin scheme's default port where it has none;
-    None when it does not parse."""
+def _host_port(netloc: str, default_port: int) -> tuple[str, int] | None:
+    """(lower-case host, port) of a ``host[:port]`` value (a ``Host`` header, an origin's), ``default_port``
+    where it names none; None when it does not parse (no host, a bad port)."""
     try:
         u = urlsplit(f"//{netloc.strip()}")
         port = u.port
     except ValueError:
         return None
-    return ((u.hostname or "").lower(), scheme_port if port is None else port) if u.hostname else None
+    return (u.hostname.lower(), default_port if port is None else port) if u.hostname else None
 
 
 def _loopback_or_literal(host: str) -> bool:
